@@ -1,0 +1,18 @@
+"""dsv4-compile: DeepSeek V4 sparse attention as torch.compile-native custom ops.
+
+Importing the package registers every ``torch.ops.dsv4.*`` operator.
+"""
+
+from . import ops  # noqa: F401  (registers the dsv4:: ops)
+from .allocator import OutOfPagesError, PageAllocator
+from .cache import DSV4Cache, LayerCache
+from .config import DSV4AttnConfig
+from .layer import DSV4Attention, DSV4AttentionStack
+from .oracle import oracle_layer, oracle_stack
+from .step import ForwardMode, StepInputs, StepMetadata, build_step_metadata
+
+__all__ = [
+    "DSV4Attention", "DSV4AttentionStack", "DSV4AttnConfig", "DSV4Cache", "ForwardMode", "LayerCache",
+    "OutOfPagesError", "PageAllocator", "StepInputs", "StepMetadata", "build_step_metadata",
+    "oracle_layer", "oracle_stack",
+]

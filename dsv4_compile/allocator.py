@@ -1,0 +1,147 @@
+"""Host-side page allocator: the bookkeeping a serving engine runs *between* steps.
+
+It hands out request rows, full-pool pages and SWA-pool pages, and writes the two index maps of
+:class:`~dsv4_compile.cache.DSV4Cache` (``req_to_token``, ``full_to_swa``). Nothing here runs
+inside a compiled step. Allocation is page-aligned (SPEC §2.1): the token at position ``pos`` gets
+full slot ``full_page * 256 + pos % 256`` and SWA slot ``swa_page * 256 + pos % 256``.
+
+SWA pages are evicted once every token on them has left the window of any future query
+(``last position of the page < seq_len - 127``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import DSV4Cache
+from .config import PAGE_SIZE, SWA_WINDOW
+
+
+class OutOfPagesError(RuntimeError):
+    """The cache has no free page (full or SWA pool) or request row left."""
+
+
+@dataclass
+class _Request:
+    seq_len: int = 0
+    full_pages: list[int] = field(default_factory=list)  # logical page i -> full page
+    swa_pages: dict[int, int] = field(default_factory=dict)  # logical page i -> SWA page
+
+
+class PageAllocator:
+    """Request rows and pages of one :class:`DSV4Cache`."""
+
+    def __init__(self, cache: DSV4Cache):
+        self.cache = cache
+        self._free_rows = list(range(cache.max_requests, 0, -1))  # pop() gives the lowest row
+        self._free_full = list(range(cache.num_full_pages - 1, 0, -1))
+        self._free_swa = list(range(cache.num_swa_pages - 1, 0, -1))
+        self._requests: dict[int, _Request] = {}
+
+    # -- queries -------------------------------------------------------------------------------
+    def seq_len(self, row: int) -> int:
+        return self._get(row).seq_len
+
+    @property
+    def active_rows(self) -> list[int]:
+        return sorted(self._requests)
+
+    @property
+    def free_full_pages(self) -> int:
+        return len(self._free_full)
+
+    @property
+    def free_swa_pages(self) -> int:
+        return len(self._free_swa)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def admit(self) -> int:
+        """Reserve a request row (>= 1) for a new, empty request."""
+        if not self._free_rows:
+            raise OutOfPagesError(f"all {self.cache.max_requests} request rows are in use")
+        row = self._free_rows.pop()
+        self._requests[row] = _Request()
+        return row
+
+    def extend(self, row: int, num_tokens: int) -> torch.Tensor:
+        """Allocate the next ``num_tokens`` positions of request ``row``; returns their full slots
+        (``out_cache_loc``, int64 [num_tokens], on the cache's device). Evicts SWA pages that left
+        the window first. Raises before changing anything if capacity would be exceeded."""
+        req = self._get(row)
+        if num_tokens < 0:
+            raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+        new_len = req.seq_len + num_tokens
+        if new_len > self.cache.max_seq_len:
+            raise ValueError(f"request {row}: length {new_len} exceeds the cache's max_seq_len "
+                             f"{self.cache.max_seq_len}")
+        self.evict_swa(row)
+        first, last = req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE)
+        need_full = max(0, last - len(req.full_pages))
+        need_swa = sum(1 for i in range(first, last) if i not in req.swa_pages)
+        if need_full > len(self._free_full) or need_swa > len(self._free_swa):
+            raise OutOfPagesError(f"request {row}: needs {need_full} full and {need_swa} SWA pages, "
+                                  f"{len(self._free_full)} and {len(self._free_swa)} free")
+        for i in range(first, last):
+            if i >= len(req.full_pages):
+                req.full_pages.append(self._free_full.pop())
+            if i not in req.swa_pages:
+                req.swa_pages[i] = self._free_swa.pop()
+        pos = torch.arange(req.seq_len, new_len)
+        page = pos // PAGE_SIZE
+        full = torch.tensor(req.full_pages, dtype=torch.int64)[page] * PAGE_SIZE + pos % PAGE_SIZE
+        swa_map = torch.zeros(last, dtype=torch.int64)
+        for i, p in req.swa_pages.items():
+            swa_map[i] = p
+        swa = swa_map[page] * PAGE_SIZE + pos % PAGE_SIZE
+        device = self.cache.device
+        self.cache.req_to_token[row, req.seq_len:new_len] = full.to(device, torch.int32)
+        self.cache.full_to_swa[full.to(device)] = swa.to(device, torch.int32)
+        req.seq_len = new_len
+        return full.to(device)
+
+    def truncate(self, row: int, new_len: int) -> None:
+        """Roll request ``row`` back to ``new_len`` tokens (e.g. rejected draft tokens) and free
+        the pages that now lie entirely past the end."""
+        req = self._get(row)
+        if not 0 <= new_len <= req.seq_len:
+            raise ValueError(f"request {row}: new_len={new_len} outside [0, {req.seq_len}]")
+        keep = -(-new_len // PAGE_SIZE)
+        for i in range(keep, len(req.full_pages)):
+            self._release_swa(req, i)
+        self._free_full.extend(reversed(req.full_pages[keep:]))
+        del req.full_pages[keep:]
+        req.seq_len = new_len
+
+    def evict_swa(self, row: int) -> int:
+        """Free the SWA pages of ``row`` that no future query can attend to; returns how many."""
+        req = self._get(row)
+        dead = [i for i in req.swa_pages if (i + 1) * PAGE_SIZE <= req.seq_len - (SWA_WINDOW - 1)]
+        for i in dead:
+            self._release_swa(req, i)
+        return len(dead)
+
+    def free(self, row: int) -> None:
+        """Release every page and the row of a finished request."""
+        req = self._get(row)
+        for i in list(req.swa_pages):
+            self._release_swa(req, i)
+        self._free_full.extend(reversed(req.full_pages))
+        del self._requests[row]
+        self._free_rows.append(row)
+
+    # -- internals -----------------------------------------------------------------------------
+    def _get(self, row: int) -> _Request:
+        try:
+            return self._requests[row]
+        except KeyError:
+            raise ValueError(f"request row {row} is not active") from None
+
+    def _release_swa(self, req: _Request, i: int) -> None:
+        page = req.swa_pages.pop(i, None)
+        if page is None:
+            return
+        full_page = req.full_pages[i]
+        self.cache.full_to_swa[full_page * PAGE_SIZE:(full_page + 1) * PAGE_SIZE] = 0
+        self._free_swa.append(page)

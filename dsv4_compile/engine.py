@@ -1,0 +1,139 @@
+"""A miniature serving loop around a :class:`DSV4AttentionStack`: what an engine does between
+steps (admit, allocate pages, build the step object, pad to a bucket, roll back rejected drafts),
+plus an oracle check of every step. Used by the demo (``python -m dsv4_compile``), the tests and
+the benchmarks.
+
+Hidden states of new tokens are drawn from a seeded generator and kept per request, so the
+cache-free oracle can recompute any request from its full history.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from .allocator import PageAllocator
+from .layer import DSV4AttentionStack
+from .config import PAGE_SIZE, SWA_WINDOW
+from .layout import INDEX_PAGE_SIZE
+from .oracle import oracle_cache_entries, oracle_layer_inputs, oracle_stack
+from .reference.kv_store import gather_index_k, gather_model1
+from .step import ForwardMode, StepInputs
+
+Forward = Callable[[torch.Tensor, StepInputs], torch.Tensor]
+
+
+class Engine:
+    """Drives ``forward(x, step)`` (the stack itself, or a compiled version of it)."""
+
+    def __init__(self, stack: DSV4AttentionStack, *, seed: int = 0, forward: Forward | None = None,
+                 x_scale: float = 0.25):
+        self.stack = stack
+        self.x_scale = x_scale  # residual-stream scale of the random inputs
+        self.forward = forward or stack
+        self.allocator = PageAllocator(stack.cache)
+        self.device = stack.cache.device
+        self._gen = torch.Generator().manual_seed(seed)
+        self.history: dict[int, torch.Tensor] = {}  # row -> [L, hidden] bf16 inputs so far
+
+    # -- request lifecycle ---------------------------------------------------------------------
+    def admit(self) -> int:
+        row = self.allocator.admit()
+        self.history[row] = torch.zeros(0, self.stack.config.hidden_size, dtype=torch.bfloat16,
+                                        device=self.device)
+        return row
+
+    def release(self, row: int) -> None:
+        self.allocator.free(row)
+        del self.history[row]
+
+    def accept(self, row: int, num_accepted: int, num_drafts: int) -> None:
+        """After a verify step of ``num_drafts`` tokens, keep the first ``num_accepted``."""
+        new_len = self.allocator.seq_len(row) - num_drafts + num_accepted
+        self.allocator.truncate(row, new_len)
+        self.history[row] = self.history[row][:new_len]
+
+    # -- steps ---------------------------------------------------------------------------------
+    def build_step(self, mode: ForwardMode, tokens: Mapping[int, int], *, pad_requests: int = 0,
+                   pad_tokens: int = 0) -> tuple[torch.Tensor, StepInputs]:
+        """Allocate ``tokens[row]`` new positions per request and return ``(x, step)``, padded to
+        ``pad_requests`` requests and ``pad_tokens`` rows (the bucket sizes) when larger."""
+        rows, seq_lens, ext, locs, xs = [], [], [], [], []
+        for row, n in tokens.items():
+            locs.append(self.allocator.extend(row, n))
+            x_new = (self.x_scale * torch.randn(n, self.stack.config.hidden_size, generator=self._gen)).to(
+                self.device, torch.bfloat16)
+            self.history[row] = torch.cat([self.history[row], x_new])
+            rows.append(row)
+            seq_lens.append(self.allocator.seq_len(row))
+            ext.append(n)
+            xs.append(x_new)
+        pad_b = max(0, pad_requests - len(rows))
+        rows, seq_lens, ext = rows + [0] * pad_b, seq_lens + [0] * pad_b, ext + [0] * pad_b
+        loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=self.device)
+        num_tokens = max(pad_tokens, loc.shape[0])
+        step = StepInputs.make(mode, rows, seq_lens, ext, loc, num_tokens=num_tokens, device=self.device)
+        x = torch.zeros(num_tokens, self.stack.config.hidden_size, dtype=torch.bfloat16, device=self.device)
+        if xs:
+            real = torch.cat(xs)
+            x[: real.shape[0]] = real
+        return x, step
+
+    def run(self, mode: ForwardMode, tokens: Mapping[int, int], **pad) -> dict[int, torch.Tensor]:
+        """One step; returns each request's outputs for its new tokens (``[n, hidden]``)."""
+        x, step = self.build_step(mode, tokens, **pad)
+        out = self.forward(x, step)
+        result, lo = {}, 0
+        for row, n in tokens.items():
+            result[row] = out[lo:lo + n].clone()
+            lo += n
+        return result
+
+    def idle(self, num_tokens: int = 1) -> torch.Tensor:
+        """A step with no request: every row is padding. Returns the (throw-away) outputs."""
+        step = StepInputs.idle(num_tokens, device=self.device)
+        x = torch.zeros(num_tokens, self.stack.config.hidden_size, dtype=torch.bfloat16, device=self.device)
+        return self.forward(x, step).clone()
+
+    # -- oracle --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def oracle_error(self, outputs: Mapping[int, torch.Tensor]) -> float:
+        """Max |paged - oracle| over the rows of ``outputs`` (each request's last rows), relative
+        to the largest attention contribution ``|oracle - x|`` among them."""
+        err, scale = 0.0, 0.0
+        for row, got in outputs.items():
+            x = self.history[row][-got.shape[0]:].float()
+            want = oracle_stack(self.stack, self.history[row])[-got.shape[0]:].float()
+            err = max(err, (got.float() - want).abs().max().item())
+            scale = max(scale, (want - x).abs().max().item())
+        return err / max(scale, 1e-6)
+
+    @torch.no_grad()
+    def cache_error(self, row: int) -> dict[str, float]:
+        """Max |cached - oracle| / max |oracle| of request ``row``'s entries, per pool kind, over
+        all layers: the SWA window keys, every compressed entry and every indexer key."""
+        cache = self.stack.cache
+        hs = oracle_layer_inputs(self.stack, self.history[row])
+        L = hs[0].shape[0]
+        tokens = cache.req_to_token[row, :L].long()
+        errors: dict[str, float] = {}
+
+        def record(kind: str, got: torch.Tensor, want: torch.Tensor) -> None:
+            rel = (got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)
+            errors[kind] = max(errors.get(kind, 0.0), rel.item())
+
+        for layer, layer_cache, h in zip(self.stack.layers, cache.layers, hs):
+            want = oracle_cache_entries(layer, h)
+            swa_slots = cache.full_to_swa[tokens[max(0, L - SWA_WINDOW):]]
+            record("swa", gather_model1(layer_cache.swa_kv, swa_slots, PAGE_SIZE), want["swa"])
+            if layer.ratio and want["extra"].shape[0]:
+                r = layer.ratio
+                slots = tokens[::r][: want["extra"].shape[0]] // r
+                record(f"c{r}", gather_model1(layer_cache.extra_kv, slots, layer_cache.extra_page_size),
+                       want["extra"])
+            if layer.ratio == 4 and want["index_k"].shape[0]:
+                slots = tokens[::4][: want["index_k"].shape[0]] // 4
+                record("index_k", gather_index_k(layer_cache.index_k, slots, INDEX_PAGE_SIZE),
+                       want["index_k"])
+        return errors

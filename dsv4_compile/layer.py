@@ -1,0 +1,198 @@
+"""One DeepSeek V4 attention layer (SPEC §1.4, §4) and a small stack of them.
+
+``DSV4Attention.forward(x, meta, cache)`` runs, for the step's T query rows::
+
+    q, kv   = projections (low-rank q with per-head RMS norm; kv RMSNorm), RoPE on the last 64 dims
+    store   : dsv4::store_kv(kv -> SWA pool)
+    ratio 4 : indexer compressor (compress_kv + store_index_k), indexer q (indexer_prepare_q),
+              top-k (indexer_topk)
+    ratio>0 : attention compressor (compress_kv + store_kv -> c4 / c128 pool)
+    attend  : dsv4::sparse_attn over SWA window + extra entries, with the per-head sink
+    output  : inverse RoPE, grouped wo_a, wo_b
+
+Model-side math (projections, norms, RoPE) lives in :meth:`DSV4Attention.project_q_kv` and
+:class:`Compressor.project`, shared with the cache-free oracle.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import layout
+from .cache import DSV4Cache, LayerCache
+from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
+from .reference.functional import rms_norm, rope_tail
+from .rope import layer_inv_freq
+from .step import StepInputs, StepMetadata, build_step_metadata
+from .validate import validate_step
+
+
+def _init_linear(w: torch.Tensor, gen: torch.Generator) -> None:
+    with torch.no_grad():
+        w.copy_(torch.randn(w.shape, generator=gen) / math.sqrt(w.shape[-1]))
+
+
+class Compressor(nn.Module):
+    """Projection weights of one compressor (SPEC §4.2): entry dim ``d``, ratio 4 or 128."""
+
+    def __init__(self, config: DSV4AttnConfig, d: int, ratio: int, rotate: bool, dtype: torch.dtype):
+        super().__init__()
+        self.d, self.ratio, self.rotate = d, ratio, rotate
+        self.eps = config.rms_norm_eps
+        width = (2 if ratio == 4 else 1) * d
+        self.wkv = nn.Parameter(torch.empty(width, config.hidden_size, dtype=dtype))
+        self.wgate = nn.Parameter(torch.empty(width, config.hidden_size, dtype=dtype))
+        self.ape = nn.Parameter(torch.empty(ratio, width, dtype=torch.float32))
+        self.norm = nn.Parameter(torch.empty(d, dtype=torch.float32))
+
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        _init_linear(self.wkv, gen)
+        _init_linear(self.wgate, gen)
+        with torch.no_grad():
+            self.ape.copy_(torch.randn(self.ape.shape, generator=gen) * 0.5)
+            self.norm.copy_(1 + 0.1 * torch.randn(self.norm.shape, generator=gen))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv, score)`` fp32 ``[T, coff * d]`` of hidden states ``x [T, hidden]`` (no ape)."""
+        xf = x.float()
+        return xf @ self.wkv.float().t(), xf @ self.wgate.float().t()
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor, ring: int,
+                inv_freq: torch.Tensor) -> torch.Tensor:
+        """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``."""
+        kv, score = self.project(x)
+        return torch.ops.dsv4.compress_kv(state, kv, score, self.ape, meta.req_of_row, meta.seq_lens_casual,
+                                          meta.row_start, meta.row_end, self.norm, inv_freq, self.ratio,
+                                          ring, self.rotate, self.eps)
+
+
+class Indexer(nn.Module):
+    """Lightning indexer weights (SPEC §4.3): its query projection, head weights and compressor."""
+
+    def __init__(self, config: DSV4AttnConfig, dtype: torch.dtype):
+        super().__init__()
+        self.n_heads, self.topk = config.index_n_heads, config.index_topk
+        self.weight_scale = config.index_weight_scale
+        self.wq_b = nn.Parameter(torch.empty(self.n_heads * INDEX_HEAD_DIM, config.q_lora_rank, dtype=dtype))
+        self.weights_proj = nn.Parameter(torch.empty(self.n_heads, config.hidden_size, dtype=dtype))
+        self.compressor = Compressor(config, INDEX_HEAD_DIM, 4, rotate=True, dtype=dtype)
+
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        _init_linear(self.wq_b, gen)
+        _init_linear(self.weights_proj, gen)
+        self.compressor.reset_parameters(gen)
+
+    def project_q(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` fp32."""
+        q = F.linear(q_lora, self.wq_b).view(-1, self.n_heads, INDEX_HEAD_DIM)
+        return q, F.linear(x, self.weights_proj).float()
+
+
+class DSV4Attention(nn.Module):
+    """One DSV4 attention layer; ``layer_id`` selects its compress ratio from the config."""
+
+    def __init__(self, config: DSV4AttnConfig, layer_id: int, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        self.config, self.layer_id = config, layer_id
+        self.ratio = config.compress_ratios[layer_id]
+        h, hid = config.num_heads, config.hidden_size
+        self.wq_a = nn.Parameter(torch.empty(config.q_lora_rank, hid, dtype=dtype))
+        self.q_norm = nn.Parameter(torch.empty(config.q_lora_rank, dtype=dtype))
+        self.wq_b = nn.Parameter(torch.empty(h * HEAD_DIM, config.q_lora_rank, dtype=dtype))
+        self.wkv = nn.Parameter(torch.empty(HEAD_DIM, hid, dtype=dtype))
+        self.kv_norm = nn.Parameter(torch.empty(HEAD_DIM, dtype=dtype))
+        self.attn_sink = nn.Parameter(torch.empty(h, dtype=torch.float32))
+        self.wo_a = nn.Parameter(torch.empty(config.o_groups * config.o_lora_rank,
+                                             h * HEAD_DIM // config.o_groups, dtype=dtype))
+        self.wo_b = nn.Parameter(torch.empty(hid, config.o_groups * config.o_lora_rank, dtype=dtype))
+        self.compressor = Compressor(config, HEAD_DIM, self.ratio, False, dtype) if self.ratio else None
+        self.indexer = Indexer(config, dtype) if self.ratio == 4 else None
+        self.register_buffer("inv_freq", layer_inv_freq(config, self.ratio), persistent=False)
+
+    def reset_parameters(self, gen: torch.Generator) -> None:
+        for w in (self.wq_a, self.wq_b, self.wkv, self.wo_a, self.wo_b):
+            _init_linear(w, gen)
+        with torch.no_grad():
+            for norm in (self.q_norm, self.kv_norm):
+                norm.copy_(1 + 0.1 * torch.randn(norm.shape, generator=gen))
+            self.attn_sink.copy_(torch.randn(self.attn_sink.shape, generator=gen))
+        for sub in (self.compressor, self.indexer):
+            if sub is not None:
+                sub.reset_parameters(gen)
+
+    # -- model-side math (shared with the oracle) ----------------------------------------------
+    def project_q_kv(self, x: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [T, H, 512], kv [T, 512], q_lora [T, q_lora])`` bf16, RoPE applied at ``positions``."""
+        eps = self.config.rms_norm_eps
+        q_lora = rms_norm(F.linear(x, self.wq_a), self.q_norm, eps)
+        q = rms_norm(F.linear(q_lora, self.wq_b).view(x.shape[0], -1, HEAD_DIM), None, eps)
+        q = rope_tail(q, positions.unsqueeze(1), self.inv_freq)
+        kv = rope_tail(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), positions, self.inv_freq)
+        return q, kv, q_lora
+
+    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, H, 512]`` -> hidden ``[T, hidden]``: inverse RoPE, grouped wo_a, wo_b."""
+        g = self.config.o_groups
+        o = rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
+        o = o.reshape(o.shape[0], g, -1)
+        o = torch.einsum("tgd,grd->tgr", o, self.wo_a.view(g, self.config.o_lora_rank, -1))
+        return F.linear(o.flatten(1), self.wo_b)
+
+    # -- paged forward -------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
+        """x: [T, hidden] bf16 -> [T, hidden] bf16; writes this step's entries into ``cache``."""
+        ops = torch.ops.dsv4
+        q, kv, q_lora = self.project_q_kv(x, meta.positions)
+        ops.store_kv(cache.swa_kv, meta.swa_out_loc, kv, PAGE_SIZE)
+        extra = (None, 0, None, None)
+        if self.ratio == 4 and meta.c4_out_loc is not None:
+            idx = self.indexer
+            ik = idx.compressor(x, meta, cache.index_state, cache.ring, self.inv_freq)
+            ops.store_index_k(cache.index_k, meta.c4_out_loc, ik, layout.INDEX_PAGE_SIZE)
+            iq, iw = idx.project_q(x, q_lora)
+            q_fp8, w = ops.indexer_prepare_q(iq, iw, meta.positions, self.inv_freq, idx.weight_scale)
+            topk = ops.indexer_topk(q_fp8, w, cache.index_k, meta.page_table, meta.c4_visible, idx.topk)
+            entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
+            ops.store_kv(cache.extra_kv, meta.c4_out_loc, entries, cache.extra_page_size)
+            extra = (cache.extra_kv, cache.extra_page_size, topk, meta.c4_topk_lengths)
+        elif self.ratio == 128 and meta.c128_out_loc is not None:
+            entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
+            ops.store_kv(cache.extra_kv, meta.c128_out_loc, entries, cache.extra_page_size)
+            extra = (cache.extra_kv, cache.extra_page_size, meta.c128_indices, meta.c128_lengths)
+        out, _ = ops.sparse_attn(q, cache.swa_kv, PAGE_SIZE, meta.swa_indices, meta.swa_lengths, *extra,
+                                 self.attn_sink, self.config.softmax_scale)
+        return self.output(out, meta.positions)
+
+
+class DSV4AttentionStack(nn.Module):
+    """Attention layers with residual connections over one shared :class:`DSV4Cache`:
+    ``h = h + layer_i(h)``. ``forward(x, step)`` is one whole step — the function to compile."""
+
+    def __init__(self, config: DSV4AttnConfig, cache: DSV4Cache, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        if cache.config.compress_ratios != config.compress_ratios:
+            raise ValueError("cache and stack disagree on compress_ratios")
+        self.config = config
+        self.cache = cache
+        self.layers = nn.ModuleList(DSV4Attention(config, i, dtype) for i in range(config.num_layers))
+
+    def reset_parameters(self, seed: int = 0) -> "DSV4AttentionStack":
+        gen = torch.Generator().manual_seed(seed)
+        for layer in self.layers:
+            layer.reset_parameters(gen)
+        return self
+
+    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+        """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16."""
+        if not torch.compiler.is_compiling():
+            validate_step(self.config, self.cache, x, step)
+        meta = build_step_metadata(step, self.cache.req_to_token, self.cache.full_to_swa, self.config)
+        h = x
+        for layer, layer_cache in zip(self.layers, self.cache.layers):
+            h = h + layer(h, meta, layer_cache)
+        return h

@@ -1,0 +1,94 @@
+"""KV compressor: softmax-gated pooling of raw-token projections into one entry per window
+(SPEC §4.2) — reference.
+
+Per raw token ``t`` at position ``p_t`` the caller supplies ``a_t = x_t W_kv`` and
+``s_t = x_t W_gate`` (fp32, width ``Wc = coff * d``; coff = 2 for ratio 4, 1 for ratio 128).
+A query row at position ``p`` completing a window (``(p + 1) % r == 0``) emits entry
+``i = (p + 1) / r - 1`` from ``S`` slots::
+
+    r = 128: slot s <-> token p - 127 + s, all Wc = d columns
+    r = 4  : slot s <-> token p - 7 + s; slots 0..3 use columns [0, d) ("overlap" half of the
+             previous window), slots 4..7 use columns [d, 2d) ("own" half)
+    e[c]   = sum_s softmax_s(score[s, c] + ape[p_s % r, c]) * kv[s, c]      (slots with p_s < 0:
+                                                                           weight 0)
+    y      = rope(rmsnorm(bf16(e)) * norm_weight, at position p - r + 1); hadamard(y) if rotate
+
+State (``[R * ring, 2 Wc]`` fp32, rows ``[kv | score + ape]``): the request's ring of its last
+``ring`` raw tokens, row ``req * ring + p % ring``. Tokens processed in this step are read from the
+step's own projections (rows of a request are consecutive, so position ``t`` of row ``q``'s request
+is row ``q - (p - t)``); earlier tokens from the ring. After all reads, each row whose position is
+among its request's last ``ring`` positions is written to the ring (others go to the dummy row 0).
+Rows that complete no window still produce a (finite, meaningless) entry; their out slot is -1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .functional import hadamard, rms_norm, rope_tail
+
+_ROW_CHUNK_ELEMS = 1 << 22  # bound the [rows, S, Wc] gather of one chunk (fp32 elements)
+
+
+def window_slots(ratio: int) -> int:
+    """Raw tokens pooled into one entry: 8 for ratio 4 (overlapping), ``ratio`` otherwise."""
+    return 8 if ratio == 4 else ratio
+
+
+def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
+                row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
+                ratio: int, ring: int, rotate: bool, eps: float) -> torch.Tensor:
+    """Pool, normalise, rotate one potential entry per row; update the state ring in place.
+
+    state: [R * ring, 2 Wc] fp32 (mutated); kv, score: [T, Wc] fp32; ape: [r, Wc] fp32;
+    req_of_row, seq_lens_casual, row_start, row_end: [T] int32 (see metadata.expand_queries);
+    norm_weight: [d]; inv_freq: [32] fp32. Returns ``[T, d]`` bf16.
+    """
+    num_rows, wc = kv.shape
+    d = norm_weight.shape[0]
+    slots = window_slots(ratio)
+    pos = seq_lens_casual.long() - 1  # [T]
+    score_ape = score + ape[pos % ratio]  # [T, Wc]
+    chunk = max(1, _ROW_CHUNK_ELEMS // (slots * wc))
+    pooled = [
+        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo, min(lo + chunk, num_rows),
+                   ratio, ring, d)
+        for lo in range(0, num_rows, chunk)
+    ]
+    e = torch.cat(pooled, 0) if pooled else kv.new_zeros(0, d)  # [T, d] fp32
+    y = rms_norm(e.to(torch.bfloat16), norm_weight, eps)
+    y = rope_tail(y, pos - ratio + 1, inv_freq)
+    if rotate:
+        y = hadamard(y).to(torch.bfloat16)
+    _write_ring(state, kv, score_ape, req_of_row, pos, row_end, ring)
+    return y
+
+
+def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo: int, hi: int,
+               ratio: int, ring: int, d: int) -> torch.Tensor:
+    """Pooled fp32 entry ``[hi - lo, d]`` for rows ``lo:hi``."""
+    wc = kv.shape[1]
+    slots = window_slots(ratio)
+    p = pos[lo:hi].unsqueeze(1)  # [C, 1]
+    t = p - (slots - 1) + torch.arange(slots, device=kv.device)  # [C, S] token positions
+    in_step = t >= row_start[lo:hi].long().unsqueeze(1)
+    batch_row = (torch.arange(lo, hi, device=kv.device).unsqueeze(1) - (p - t)).clamp(0, kv.shape[0] - 1)
+    ring_row = req_of_row[lo:hi].long().unsqueeze(1) * ring + t.clamp_min(0) % ring
+    sel = in_step.unsqueeze(-1)
+    a = torch.where(sel, kv[batch_row], state[ring_row, :wc])  # [C, S, Wc]
+    s = torch.where(sel, score_ape[batch_row], state[ring_row, wc:])
+    if ratio == 4:  # slots 0..3 take the overlap half, 4..7 the own half
+        half = (torch.arange(slots, device=kv.device) >= 4).long().view(1, slots, 1)
+        cols = torch.arange(d, device=kv.device).view(1, 1, d) + half * d
+        a = torch.gather(a, 2, cols.expand(a.shape[0], slots, d))
+        s = torch.gather(s, 2, cols.expand(s.shape[0], slots, d))
+    s = s.masked_fill((t < 0).unsqueeze(-1), float("-inf"))
+    return (torch.softmax(s, dim=1) * a).sum(dim=1)
+
+
+def _write_ring(state, kv, score_ape, req_of_row, pos, row_end, ring: int) -> None:
+    """Persist the rows among each request's last ``ring`` positions; the rest hit dummy row 0."""
+    keep = pos >= row_end.long() - ring
+    rows = torch.where(keep, req_of_row.long() * ring + pos % ring, 0)
+    state[rows] = torch.cat([kv, score_ape], dim=1)

@@ -1,0 +1,63 @@
+"""Small math shared by the references, the layer and the oracle: RMSNorm, RoPE, Walsh-Hadamard.
+
+All compute in fp32 and return the input dtype unless stated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (fp32 math, input dtype out)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.float()
+    return y.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+               inverse: bool = False) -> torch.Tensor:
+    """Interleaved-pair (GPT-J) RoPE on the last dim of ``x`` (SPEC §1.2).
+
+    x: [..., 64]; positions: int tensor broadcastable to ``x.shape[:-1]``; inv_freq: [32] fp32.
+    Pairs ``(x[2i], x[2i+1])`` are multiplied by ``exp(j * pos * inv_freq[i])`` (by its conjugate
+    when ``inverse``). Angles are ``float32(pos) * inv_freq`` as in the model's freqs_cis table.
+    """
+    angle = positions.float().unsqueeze(-1) * inv_freq.float()  # [..., 32]
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if inverse:
+        sin = -sin
+    pairs = x.float().unflatten(-1, (-1, 2))
+    x0, x1 = pairs[..., 0], pairs[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1).flatten(-2)
+    return out.to(x.dtype)
+
+
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+              inverse: bool = False) -> torch.Tensor:
+    """Apply RoPE to the last 64 dims of ``x`` and return the whole vector."""
+    rope_dim = 2 * inv_freq.shape[-1]
+    return torch.cat([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], positions, inv_freq, inverse)],
+                     dim=-1)
+
+
+@functools.lru_cache(maxsize=None)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Sylvester-ordered Walsh-Hadamard transform over the last dim, scaled by ``n**-0.5`` (fp32)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two last dim, got {n}")
+    h = _hadamard_cpu(n).to(x.device)
+    return (x.float() @ h) * (1.0 / math.sqrt(n))

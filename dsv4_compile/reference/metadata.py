@@ -1,0 +1,107 @@
+"""Per-step metadata (SPEC §3) — reference.
+
+Pure functions of the step's device tensors and the cache's index maps, with fixed output shapes:
+``T`` (query rows, padding included) comes from ``out_cache_loc``, widths from cache capacity
+(``L_max = req_to_token.shape[1]``), never from lengths. No host reads.
+
+Shape legend: B = requests, T = query rows, L_max = max tokens per request,
+NP = L_max // 256 pages per request, W = SWA window (128).
+
+Padding rows (query rows past ``sum(extend_lens)``) belong to the reserved dummy request row 0 at
+position 0: ``seq_len 1``, and every slot they read or write is the dummy slot 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import INDEX_ALIGN, PAGE_SIZE, SWA_WINDOW
+
+_I32 = torch.int32
+
+
+def ceil_to(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per query token (SPEC §3.2), requests concatenated in order.
+
+    req_rows, seq_lens, extend_lens: [B] int32 — request pool rows, post-step lengths ``L_b`` and
+    tokens this step ``E_b`` (decode: 1; uniform verify: D; prefill/extend: chunk length).
+    Row ``j`` of request ``b`` is position ``L_b - E_b + j``. Returns, per row, int32 [T]:
+    ``req_of_row``, ``seq_lens_casual`` (position + 1), ``row_start = L_b - E_b`` (first position
+    this step) and ``row_end = L_b``.
+    """
+    device = req_rows.device
+    q = torch.arange(num_tokens, device=device)
+    if req_rows.shape[0] == 0:  # idle: every row is padding
+        zeros = torch.zeros(num_tokens, dtype=_I32, device=device)
+        return zeros, zeros + 1, zeros, zeros + 1
+    ends = torch.cumsum(extend_lens.long(), 0)  # [B] exclusive end row of each request
+    b = torch.searchsorted(ends, q, right=True).clamp_max(req_rows.shape[0] - 1)  # [T]
+    real = q < ends[-1]
+    e_b, l_b = extend_lens.long()[b], seq_lens.long()[b]
+    start = l_b - e_b
+    pos = start + (q - (ends[b] - e_b))
+    req = torch.where(real, req_rows.long()[b], 0)
+    seq_casual = torch.where(real, pos + 1, 1)
+    return (req.to(_I32), seq_casual.to(_I32), torch.where(real, start, 0).to(_I32),
+            torch.where(real, l_b, 1).to(_I32))
+
+
+def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor) -> torch.Tensor:
+    """``page_table[q, i] = req_to_token[req_q, 256 i] // 256``: [T, NP] int32 (SPEC §3.3)."""
+    first_slots = req_to_token[:, ::PAGE_SIZE]  # [R, NP]
+    return (first_slots[req_of_row.long()] // PAGE_SIZE).to(_I32)
+
+
+def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
+                       seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sliding-window attention inputs (SPEC §3.3, §3.4, §3.7).
+
+    Returns ``swa_indices [T, 128] int32`` (newest first: k-th entry is the SWA slot of position
+    ``pos - k``, -1 where ``pos - k < 0``), ``swa_lengths [T] int32 = min(pos + 1, 128)`` and
+    ``swa_out_loc [T] int32`` = SWA slot this row's token is written to.
+    """
+    pos = seq_lens_casual.long() - 1  # [T]
+    p = pos.unsqueeze(1) - torch.arange(SWA_WINDOW, device=pos.device)  # [T, W]
+    full = req_to_token[req_of_row.long().unsqueeze(1), p.clamp_min(0)]  # [T, W]
+    swa = full_to_swa[full.long()]
+    indices = torch.where(p >= 0, swa, -1).to(_I32)
+    lengths = seq_lens_casual.clamp_max(SWA_WINDOW).to(_I32)
+    return indices, lengths, full_to_swa[out_cache_loc.long()].to(_I32)
+
+
+def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ratio-4 fields (SPEC §3.5, §3.6).
+
+    Returns int32 [T]: ``c4_out_loc`` (``full_slot // 4`` for a row completing a window, else -1:
+    skipped by the store), ``c4_visible = (pos + 1) // 4`` (compressed entries the row may see)
+    and ``c4_topk_lengths = min(max(c4_visible, 1), topk)`` (attention's extra length).
+    """
+    seq = seq_lens_casual.long()
+    out_loc = torch.where(seq % 4 == 0, out_cache_loc.long() // 4, -1).to(_I32)
+    visible = (seq // 4).to(_I32)
+    return out_loc, visible, visible.clamp(1, topk).to(_I32)
+
+
+def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
+                        out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ratio-128 fields (SPEC §3.5).
+
+    Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1),
+    ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2``
+    for ``j < (pos + 1) // 128``, else -1) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
+    """
+    seq = seq_lens_casual.long()
+    out_loc = torch.where(seq % 128 == 0, out_cache_loc.long() // 128, -1).to(_I32)
+    n_entries = 2 * page_table.shape[1]
+    j = torch.arange(ceil_to(n_entries, INDEX_ALIGN), device=seq.device)  # [K]
+    page = page_table.long()[:, (j // 2).clamp_max(page_table.shape[1] - 1)]  # [T, K]
+    visible = (seq // 128).unsqueeze(1)
+    indices = torch.where((j < visible) & (j < n_entries), page * 2 + j % 2, -1).to(_I32)
+    return out_loc, indices, (seq // 128).clamp_min(1).to(_I32)

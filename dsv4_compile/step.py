@@ -1,0 +1,147 @@
+"""The step object — the single input describing one forward — and the metadata derived from it.
+
+:class:`StepInputs` holds four device tensors and a static :class:`ForwardMode`. It is a registered
+pytree (the mode is its static context), so it passes through ``torch.compile`` and
+``torch.export`` as plain tensor inputs. :func:`build_step_metadata` turns it into every
+per-step tensor the layers need by calling ``dsv4::`` metadata ops: a pure function of the step
+and the cache index maps, computed once per step and shared by all layers.
+
+Conventions (the same in every mode):
+
+* ``seq_lens`` are *post-step* lengths (they include this step's tokens; for target verify that
+  is committed length + draft tokens).
+* ``extend_lens`` are this step's tokens per request (decode 1, uniform verify D, ragged verify
+  ``verify_lens``, prefill the chunk length).
+* ``out_cache_loc`` has one full slot per query row, requests concatenated; its length ``T`` may
+  exceed ``sum(extend_lens)``: the tail rows are padding and must hold 0 (the dummy slot).
+* Padded requests (bucketing) use request row 0 with ``seq_len = extend_len = 0``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, fields
+
+import torch
+import torch.utils._pytree as pytree
+
+from .config import DSV4AttnConfig
+
+
+class ForwardMode(enum.Enum):
+    DECODE = "decode"
+    TARGET_VERIFY = "target_verify"
+    EXTEND = "extend"  # prefill and chunked prefill
+    DRAFT_EXTEND = "draft_extend"  # draft (SWA-only) model over accepted tokens: no compression
+    IDLE = "idle"  # no real request: every row is padding
+
+    @property
+    def needs_compress(self) -> bool:
+        return self is not ForwardMode.DRAFT_EXTEND
+
+
+@dataclass
+class StepInputs:
+    """One forward's description. B = requests, T = query rows (>= sum(extend_lens)).
+
+    req_rows: [B] int32 request rows of the cache; seq_lens: [B] int32 post-step lengths;
+    extend_lens: [B] int32 tokens this step; out_cache_loc: [T] int64 full slots (0 for padding).
+    """
+
+    mode: ForwardMode
+    req_rows: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return self.out_cache_loc.shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self.req_rows.shape[0]
+
+    def to(self, device) -> "StepInputs":
+        return StepInputs(self.mode, *(t.to(device) for t in self.tensors()))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return self.req_rows, self.seq_lens, self.extend_lens, self.out_cache_loc
+
+    @classmethod
+    def make(cls, mode: ForwardMode, req_rows, seq_lens, extend_lens, out_cache_loc, *,
+             num_tokens: int | None = None, device=None) -> "StepInputs":
+        """Build from Python sequences or tensors, padding ``out_cache_loc`` with 0 to
+        ``num_tokens`` rows (a bucket size) when given."""
+        def i32(v):
+            return torch.as_tensor(v, dtype=torch.int32, device=device).reshape(-1)
+        loc = torch.as_tensor(out_cache_loc, dtype=torch.int64, device=device).reshape(-1)
+        if num_tokens is not None:
+            if num_tokens < loc.shape[0]:
+                raise ValueError(f"num_tokens={num_tokens} is less than the {loc.shape[0]} real tokens")
+            loc = torch.cat([loc, loc.new_zeros(num_tokens - loc.shape[0])])
+        return cls(mode, i32(req_rows), i32(seq_lens), i32(extend_lens), loc)
+
+    @classmethod
+    def idle(cls, num_tokens: int = 0, device=None) -> "StepInputs":
+        empty = torch.zeros(0, dtype=torch.int32, device=device)
+        return cls(ForwardMode.IDLE, empty, empty, empty,
+                   torch.zeros(num_tokens, dtype=torch.int64, device=device))
+
+
+pytree.register_pytree_node(
+    StepInputs,
+    lambda s: (list(s.tensors()), s.mode),
+    lambda values, mode: StepInputs(mode, *values),
+    serialized_type_name="dsv4_compile.StepInputs",
+    to_dumpable_context=lambda mode: mode.value,
+    from_dumpable_context=lambda value: ForwardMode(value),
+    flatten_with_keys_fn=lambda s: ([(pytree.GetAttrKey(f.name), getattr(s, f.name))
+                                     for f in fields(s) if f.name != "mode"], s.mode),
+)
+
+
+@dataclass
+class StepMetadata:
+    """Per-step tensors shared by every layer (SPEC §3). T rows, NP pages per request.
+
+    Ratio-4 and ratio-128 fields are None when no layer needs them (or the mode compresses
+    nothing).
+    """
+
+    req_of_row: torch.Tensor  # [T] int32
+    positions: torch.Tensor  # [T] int32, pos = seq_lens_casual - 1
+    seq_lens_casual: torch.Tensor  # [T] int32
+    row_start: torch.Tensor  # [T] int32, first position of the row's request in this step
+    row_end: torch.Tensor  # [T] int32, post-step length of the row's request
+    page_table: torch.Tensor  # [T, NP] int32
+    swa_indices: torch.Tensor  # [T, 128] int32
+    swa_lengths: torch.Tensor  # [T] int32
+    swa_out_loc: torch.Tensor  # [T] int32
+    c4_out_loc: torch.Tensor | None = None  # [T] int32, -1 off-boundary
+    c4_visible: torch.Tensor | None = None  # [T] int32
+    c4_topk_lengths: torch.Tensor | None = None  # [T] int32
+    c128_out_loc: torch.Tensor | None = None  # [T] int32
+    c128_indices: torch.Tensor | None = None  # [T, ceil64(2 NP)] int32
+    c128_lengths: torch.Tensor | None = None  # [T] int32
+
+
+def build_step_metadata(step: StepInputs, req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
+                        config: DSV4AttnConfig) -> StepMetadata:
+    """All metadata of one step, through ``dsv4::`` ops (no host reads)."""
+    ops = torch.ops.dsv4
+    req_of_row, seq_casual, row_start, row_end = ops.expand_queries(
+        step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
+    page_table = ops.build_page_table(req_to_token, req_of_row)
+    swa_indices, swa_lengths, swa_out_loc = ops.build_swa_metadata(
+        req_to_token, full_to_swa, req_of_row, seq_casual, step.out_cache_loc)
+    meta = StepMetadata(req_of_row, seq_casual - 1, seq_casual, row_start, row_end, page_table,
+                        swa_indices, swa_lengths, swa_out_loc)
+    ratios = set(config.compress_ratios) if step.mode.needs_compress else set()
+    if 4 in ratios:
+        meta.c4_out_loc, meta.c4_visible, meta.c4_topk_lengths = ops.build_c4_metadata(
+            seq_casual, step.out_cache_loc, config.index_topk)
+    if 128 in ratios:
+        meta.c128_out_loc, meta.c128_indices, meta.c128_lengths = ops.build_c128_metadata(
+            page_table, seq_casual, step.out_cache_loc)
+    return meta

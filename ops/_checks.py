@@ -1,0 +1,39 @@
+"""Argument checks at the op boundary: dtype, rank and shape only (never values, so they are safe
+in fake impls and under tracing). Errors name the op and the argument."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def check_tensor(op: str, name: str, t: torch.Tensor, *, dtypes: Sequence[torch.dtype] | None = None,
+                 ndim: int | None = None, shape: Sequence[int | None] | None = None) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"dsv4.{op}: {name} must be a Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        want = " or ".join(str(d) for d in dtypes)
+        raise TypeError(f"dsv4.{op}: {name} must have dtype {want}, got {t.dtype}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"dsv4.{op}: {name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        for axis, (got, want) in enumerate(zip(t.shape, shape)):
+            if want is not None and got != want:
+                raise ValueError(f"dsv4.{op}: {name} has shape {tuple(t.shape)}, "
+                                 f"expected {want} at dim {axis}")
+
+
+def check_multiple_of(op: str, name: str, value: int, m: int) -> None:
+    if value % m:
+        raise ValueError(f"dsv4.{op}: {name}={value} must be a multiple of {m}")
+
+
+def check_same_rows(op: str, **tensors: torch.Tensor) -> None:
+    rows = {name: t.shape[0] for name, t in tensors.items()}
+    if len(set(rows.values())) > 1:
+        raise ValueError(f"dsv4.{op}: row counts differ: {rows}")
+
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+SLOT_DTYPES = (torch.int32, torch.int64)

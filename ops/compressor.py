@@ -1,0 +1,60 @@
+"""``dsv4::compress_kv``: softmax-gated window pooling + RMSNorm + RoPE (+ Hadamard) with the
+compressor state ring (SPEC §4.2). The caller stores the result with ``store_kv`` (attention
+compressor) or ``store_index_k`` (indexer compressor) at the c4 / c128 out slots.
+
+Shape legend: T = rows, d = entry dim (512 or 128), Wc = coff * d (coff 2 for ratio 4, else 1),
+R = request rows, ring = state rows per request.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import compressor as ref
+from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
+
+_F32 = (torch.float32,)
+
+
+def _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+           inv_freq, ratio, ring) -> None:
+    op = "compress_kv"
+    if ratio not in (4, 128):
+        raise ValueError(f"dsv4.{op}: ratio={ratio} must be 4 or 128")
+    d = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
+    check_tensor(op, "norm_weight", norm_weight, ndim=1)
+    wc = d * (2 if ratio == 4 else 1)
+    check_tensor(op, "kv", kv, dtypes=_F32, ndim=2, shape=(None, wc))
+    check_tensor(op, "score", score, dtypes=_F32, ndim=2, shape=(None, wc))
+    check_tensor(op, "ape", ape, dtypes=_F32, ndim=2, shape=(ratio, wc))
+    check_tensor(op, "state", state, dtypes=_F32, ndim=2, shape=(None, 2 * wc))
+    check_tensor(op, "inv_freq", inv_freq, dtypes=_F32, ndim=1)
+    if ring < ref.window_slots(ratio) or state.shape[0] % ring:
+        raise ValueError(f"dsv4.{op}: ring={ring} must be >= {ref.window_slots(ratio)} and divide "
+                         f"state rows ({state.shape[0]})")
+    for name, t in dict(req_of_row=req_of_row, seq_lens_casual=seq_lens_casual, row_start=row_start,
+                        row_end=row_end).items():
+        check_tensor(op, name, t, dtypes=INDEX_DTYPES, ndim=1)
+    check_same_rows(op, kv=kv, score=score, req_of_row=req_of_row, seq_lens_casual=seq_lens_casual,
+                    row_start=row_start, row_end=row_end)
+
+
+@torch.library.custom_op("dsv4::compress_kv", mutates_args=("state",))
+def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
+                req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
+                row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
+                ring: int, rotate: bool, eps: float) -> torch.Tensor:
+    """One potential compressed entry per row, ``[T, d] bf16`` (meaningful where the row
+    completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``."""
+    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+           inv_freq, ratio, ring)
+    return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end,
+                           norm_weight, inv_freq, ratio, ring, rotate, eps)
+
+
+@compress_kv.register_fake
+def _(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight, inv_freq,
+      ratio, ring, rotate, eps):
+    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+           inv_freq, ratio, ring)
+    return kv.new_empty(kv.shape[0], norm_weight.shape[0], dtype=torch.bfloat16)
