@@ -88,7 +88,7 @@ class Indexer(nn.Module):
 
     def project_q(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` fp32."""
-        q = F.linear(q_lora, self.wq_b).view(-1, self.n_heads, INDEX_HEAD_DIM)
+        q = F.linear(q_lora, self.wq_b).view(x.shape[0], self.n_heads, INDEX_HEAD_DIM)
         return q, F.linear(x, self.weights_proj).float()
 
 
@@ -130,7 +130,7 @@ class DSV4Attention(nn.Module):
         """``(q [T, H, 512], kv [T, 512], q_lora [T, q_lora])`` bf16, RoPE applied at ``positions``."""
         eps = self.config.rms_norm_eps
         q_lora = rms_norm(F.linear(x, self.wq_a), self.q_norm, eps)
-        q = rms_norm(F.linear(q_lora, self.wq_b).view(x.shape[0], -1, HEAD_DIM), None, eps)
+        q = rms_norm(F.linear(q_lora, self.wq_b).view(x.shape[0], self.config.num_heads, HEAD_DIM), None, eps)
         q = rope_tail(q, positions.unsqueeze(1), self.inv_freq)
         kv = rope_tail(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), positions, self.inv_freq)
         return q, kv, q_lora
@@ -139,7 +139,7 @@ class DSV4Attention(nn.Module):
         """Attention output ``[T, H, 512]`` -> hidden ``[T, hidden]``: inverse RoPE, grouped wo_a, wo_b."""
         g = self.config.o_groups
         o = rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
-        o = o.reshape(o.shape[0], g, -1)
+        o = o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g)
         o = torch.einsum("tgd,grd->tgr", o, self.wo_a.view(g, self.config.o_lora_rank, -1))
         return F.linear(o.flatten(1), self.wo_b)
 

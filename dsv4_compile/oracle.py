@@ -26,10 +26,10 @@ def dense_compress(comp: Compressor, x: torch.Tensor, inv_freq: torch.Tensor) ->
     n = x.shape[0] // r
     kv, score = comp.project(x[: n * r])
     score = score + comp.ape.repeat(n, 1)
-    kv, score = kv.view(n, r, -1), score.view(n, r, -1)  # [n, r, Wc]
+    kv, score = kv.view(n, r, kv.shape[1]), score.view(n, r, kv.shape[1])  # [n, r, Wc]
     if r == 4:  # previous window's overlap half, then this window's own half
-        prev_kv = torch.cat([kv.new_zeros(1, r, d), kv[:-1, :, :d]], 0)
-        prev_score = torch.cat([score.new_full((1, r, d), float("-inf")), score[:-1, :, :d]], 0)
+        prev_kv = torch.cat([kv.new_zeros(1, r, d), kv[:, :, :d]], 0)[:n]
+        prev_score = torch.cat([score.new_full((1, r, d), float("-inf")), score[:, :, :d]], 0)[:n]
         kv = torch.cat([prev_kv, kv[:, :, d:]], 1)  # [n, 8, d]
         score = torch.cat([prev_score, score[:, :, d:]], 1)
     e = (torch.softmax(score, dim=1) * kv).sum(dim=1)  # [n, d]

@@ -38,7 +38,7 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     q = torch.arange(num_tokens, device=device)
     if req_rows.shape[0] == 0:  # idle: every row is padding
         zeros = torch.zeros(num_tokens, dtype=_I32, device=device)
-        return zeros, zeros + 1, zeros, zeros + 1
+        return zeros, zeros + 1, zeros.clone(), zeros + 1
     ends = torch.cumsum(extend_lens.long(), 0)  # [B] exclusive end row of each request
     b = torch.searchsorted(ends, q, right=True).clamp_max(req_rows.shape[0] - 1)  # [T]
     real = q < ends[-1]

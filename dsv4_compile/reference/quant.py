@@ -64,20 +64,14 @@ def fake_quant_model1(k: torch.Tensor) -> torch.Tensor:
     return dequantize_model1(*quantize_model1(k)).to(torch.bfloat16)
 
 
-def model1_byte_index(slots: torch.Tensor, page_size: int,
-                      page_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat byte positions of the tokens at ``slots`` in a MODEL1 cache viewed as 1-D.
-
-    slots: [N] int (must be >= 0). Returns ``data_idx [N, 576]`` and ``scale_idx [N, 8]`` int64.
-    """
-    slots = slots.long()
-    page, off = slots // page_size, slots % page_size
-    base = page * page_bytes  # [N]
-    ar_data = torch.arange(L.TOKEN_DATA_BYTES, device=slots.device)
-    ar_scale = torch.arange(L.TOKEN_SCALE_BYTES, device=slots.device)
-    data_idx = (base + off * L.TOKEN_DATA_BYTES).unsqueeze(1) + ar_data
-    scale_idx = (base + page_size * L.TOKEN_DATA_BYTES + off * L.TOKEN_SCALE_BYTES).unsqueeze(1) + ar_scale
-    return data_idx, scale_idx
+def model1_page_views(cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of a MODEL1 cache ``[N_pages, Nb] uint8``: token data ``[N_pages, P, 576]`` and
+    token scales ``[N_pages, P, 8]`` (both alias the cache; writes go through)."""
+    data_end = page_size * L.TOKEN_DATA_BYTES
+    data = cache[:, :data_end].unflatten(1, (page_size, L.TOKEN_DATA_BYTES))
+    scales = cache[:, data_end:data_end + page_size * L.TOKEN_SCALE_BYTES].unflatten(
+        1, (page_size, L.TOKEN_SCALE_BYTES))
+    return data, scales
 
 
 def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,15 +92,14 @@ def fake_quant_index_k(k: torch.Tensor) -> torch.Tensor:
     return dequantize_index_k(*quantize_index_k(k))
 
 
-def index_byte_index(slots: torch.Tensor, page_size: int = L.INDEX_PAGE_SIZE
+def index_page_views(cache: torch.Tensor, page_size: int = L.INDEX_PAGE_SIZE
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Flat byte positions of indexer entries: ``vals_idx [N, 128]``, ``scale_idx [N, 4]`` int64."""
-    slots = slots.long()
-    page, off = slots // page_size, slots % page_size
-    base = page * L.index_page_bytes(page_size)
-    vals_idx = (base + off * INDEX_HEAD_DIM).unsqueeze(1) + torch.arange(INDEX_HEAD_DIM, device=slots.device)
-    scale_idx = (base + page_size * INDEX_HEAD_DIM + off * 4).unsqueeze(1) + torch.arange(4, device=slots.device)
-    return vals_idx, scale_idx
+    """Views of an indexer key cache ``[N_pages, P * 132] uint8``: fp8 values
+    ``[N_pages, P, 128] uint8`` and scales ``[N_pages, P] fp32`` (both alias the cache)."""
+    vals_end = page_size * INDEX_HEAD_DIM
+    vals = cache[:, :vals_end].unflatten(1, (page_size, INDEX_HEAD_DIM))
+    scales = cache[:, vals_end:vals_end + 4 * page_size].view(torch.float32)
+    return vals, scales
 
 
 def quantize_q_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests and benchmarks: seeded builders and oracle checks."""

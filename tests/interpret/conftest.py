@@ -1,0 +1,20 @@
+"""Kernel-vs-reference tests at small shapes. On a machine without CUDA they run only under
+``TRITON_INTERPRET=1`` (``tests/test_triton_interpreter.py`` starts that run in a subprocess,
+because the variable is read when kernels are decorated); with CUDA they run on the GPU."""
+
+import os
+
+import pytest
+import torch
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_ignore_collect(collection_path, config):
+    return not (INTERPRET or torch.cuda.is_available())
+
+
+@pytest.fixture
+def device():
+    """Where kernel inputs live: CPU tensors under the interpreter, else the GPU."""
+    return "cpu" if INTERPRET else "cuda"
