@@ -1,0 +1,109 @@
+"""Bad input raises a clear error naming the argument, before anything is written."""
+
+import pytest
+import torch
+
+from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs, layout
+from dsv4_compile.testing.oracle_checks import make_engine
+
+TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
+ops = torch.ops.dsv4
+
+
+@pytest.fixture
+def engine():
+    eng = make_engine(TINY, max_requests=2, max_seq_len=512)
+    row = eng.admit()
+    with torch.no_grad():
+        eng.run(ForwardMode.EXTEND, {row: 40})
+    return eng
+
+
+def _snapshot(engine):
+    return {k: v.clone() for k, v in engine.stack.cache.state_dict().items()}
+
+
+def _good_decode(engine):
+    row = engine.allocator.active_rows[0]
+    loc = engine.allocator.extend(row, 1)
+    seq = engine.allocator.seq_len(row)
+    x = torch.randn(1, TINY.hidden_size, dtype=torch.bfloat16)
+    return x, StepInputs.make(ForwardMode.DECODE, [row], [seq], [1], loc)
+
+
+@pytest.mark.parametrize("corrupt, exc, match", [
+    (lambda x, s: (x.float(), s), TypeError, "x must be a bfloat16"),
+    (lambda x, s: (x[:, :-1], s), ValueError, "x has shape"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows.float(), s.seq_lens, s.extend_lens, s.out_cache_loc)),
+     TypeError, "step.req_rows"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows + 5, s.seq_lens, s.extend_lens, s.out_cache_loc)),
+     ValueError, "step.req_rows"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows, s.seq_lens + 1000, s.extend_lens, s.out_cache_loc)),
+     ValueError, "exceeds the cache's max_seq_len"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows, s.seq_lens, s.extend_lens + 1, s.out_cache_loc)),
+     ValueError, "extend_lens sum to 2"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows, s.seq_lens, s.extend_lens - 2, s.out_cache_loc)),
+     ValueError, "step.extend_lens"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows, s.seq_lens, s.extend_lens, s.out_cache_loc + 10**9)),
+     ValueError, "step.out_cache_loc"),
+    (lambda x, s: (x, StepInputs(s.mode, s.req_rows, s.seq_lens, s.extend_lens, s.out_cache_loc + 1)),
+     ValueError, "req_to_token maps"),
+    (lambda x, s: (x, StepInputs(ForwardMode.IDLE, s.req_rows, s.seq_lens, s.extend_lens, s.out_cache_loc)),
+     ValueError, "IDLE"),
+    (lambda x, s: (x, StepInputs(ForwardMode.DRAFT_EXTEND, s.req_rows, s.seq_lens, s.extend_lens,
+                                 s.out_cache_loc)), ValueError, "DRAFT_EXTEND"),
+])
+def test_bad_step_is_rejected_and_cache_untouched(engine, corrupt, exc, match):
+    x, step = corrupt(*_good_decode(engine))
+    before = _snapshot(engine)
+    with pytest.raises(exc, match=match):
+        engine.stack(x, step)
+    after = _snapshot(engine)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_allocator_rejects_beyond_capacity_without_changes(engine):
+    row = engine.allocator.active_rows[0]
+    before = _snapshot(engine)
+    with pytest.raises(ValueError, match="exceeds the cache's max_seq_len"):
+        engine.allocator.extend(row, 1000)
+    assert engine.allocator.seq_len(row) == 40
+    assert all(torch.equal(v, _snapshot(engine)[k]) for k, v in before.items())
+
+
+def _attn_args(t=2, h=4, k1=128, k2=64):
+    swa = torch.zeros(3, layout.model1_page_bytes(256), dtype=torch.uint8)
+    c4 = torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8)
+    return dict(q=torch.randn(t, h, 512).bfloat16(), swa_cache=swa, swa_page_size=256,
+                swa_indices=torch.zeros(t, k1, dtype=torch.int32), swa_lengths=torch.ones(t, dtype=torch.int32),
+                extra_cache=c4, extra_page_size=64, extra_indices=torch.full((t, k2), -1, dtype=torch.int32),
+                extra_lengths=torch.ones(t, dtype=torch.int32), attn_sink=torch.zeros(h),
+                softmax_scale=512 ** -0.5)
+
+
+@pytest.mark.parametrize("change, exc, match", [
+    (dict(q=torch.randn(2, 4, 512)), TypeError, "q must have dtype"),
+    (dict(q=torch.randn(2, 4, 256).bfloat16()), ValueError, "q has shape"),
+    (dict(swa_indices=torch.zeros(2, 100, dtype=torch.int32)), ValueError, "multiple of 64"),
+    (dict(swa_page_size=64), ValueError, "page_size=64 does not match swa_cache"),
+    (dict(extra_lengths=torch.ones(3, dtype=torch.int32)), ValueError, "extra_lengths"),
+    (dict(attn_sink=torch.zeros(5)), ValueError, "attn_sink"),
+    (dict(extra_indices=None), ValueError, "must be given together"),
+])
+def test_sparse_attn_rejects_bad_arguments(change, exc, match):
+    with pytest.raises(exc, match=match):
+        ops.sparse_attn(**{**_attn_args(), **change})
+
+
+def test_store_kv_rejects_and_writes_nothing():
+    cache = torch.zeros(2, layout.model1_page_bytes(256), dtype=torch.uint8)
+    k = torch.randn(3, 512).bfloat16()
+    with pytest.raises(ValueError, match="page_size=64 does not match cache"):
+        ops.store_kv(cache, torch.tensor([1, 2, 3]), k, 64)
+    with pytest.raises(ValueError, match="row counts differ"):
+        ops.store_kv(cache, torch.tensor([1, 2]), k, 256)
+    with pytest.raises(TypeError, match="k must have dtype"):
+        ops.store_kv(cache, torch.tensor([1, 2, 3]), k.float(), 256)
+    with pytest.raises(ValueError, match="k has shape"):
+        ops.store_kv(cache, torch.tensor([1, 2, 3]), k[:, :448], 256)
+    assert cache.count_nonzero() == 0
