@@ -30,9 +30,11 @@ def check_multiple_of(op: str, name: str, value: int, m: int) -> None:
 
 
 def check_same_rows(op: str, **tensors: torch.Tensor) -> None:
-    rows = {name: t.shape[0] for name, t in tensors.items()}
-    if len(set(rows.values())) > 1:
-        raise ValueError(f"dsv4.{op}: row counts differ: {rows}")
+    # Pairwise comparison, not a set: under tracing the sizes are SymInts (unhashable).
+    rows = [t.shape[0] for t in tensors.values()]
+    if any(r != rows[0] for r in rows[1:]):
+        shown = {name: t.shape[0] for name, t in tensors.items()}
+        raise ValueError(f"dsv4.{op}: row counts differ: {shown}")
 
 
 INDEX_DTYPES = (torch.int32, torch.int64)

@@ -88,7 +88,7 @@ def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo: int, h
 
 
 def _write_ring(state, kv, score_ape, req_of_row, pos, row_end, ring: int) -> None:
-    """Persist the rows among each request's last ``ring`` positions; the rest hit dummy row 0."""
+    """Persist the rows among each request's last ``ring`` positions (others are no-ops)."""
     keep = pos >= row_end.long() - ring
-    rows = torch.where(keep, req_of_row.long() * ring + pos % ring, 0)
-    state[rows] = torch.cat([kv, score_ape], dim=1)
+    rows = torch.where(keep, req_of_row.long() * ring + pos % ring, ring - 1)
+    state[rows] = torch.where(keep.unsqueeze(1), torch.cat([kv, score_ape], dim=1), state[ring - 1])

@@ -3,7 +3,8 @@
 Caches are 2-D ``uint8 [N_pages, page_bytes]`` tensors addressed as ``slot -> (slot // P, slot % P)``
 through the page views of :mod:`.quant`. Writes skip rows whose slot is negative; reads return
 zeros for them. Neither synchronises with the host nor has data-dependent shapes: a skipped row
-is redirected to the reserved dummy slot 0 and writes back what is already there.
+is redirected to the last slot of the reserved dummy page 0 (which no valid row writes; padding
+rows use slot 0) and writes back what is already there, so the result is deterministic.
 """
 
 from __future__ import annotations
@@ -15,15 +16,16 @@ from .quant import (dequantize_index_k, dequantize_model1, index_page_views, mod
 
 
 def _page_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(valid, page, offset)`` of ``slots`` (invalid slots map to page 0, offset 0)."""
+    """``(valid, page, offset)`` of ``slots``; invalid slots map to page 0, offset P - 1."""
     valid = slots >= 0
-    s = slots.long().clamp_min(0)
+    s = torch.where(valid, slots.long(), page_size - 1)
     return valid, s // page_size, s % page_size
 
 
 def _scatter(view: torch.Tensor, page: torch.Tensor, off: torch.Tensor, values: torch.Tensor,
              valid: torch.Tensor) -> None:
-    """``view[page[n], off[n]] = values[n]`` for valid rows; invalid rows rewrite slot 0 as is."""
+    """``view[page[n], off[n]] = values[n]`` for valid rows; invalid rows rewrite their (dummy)
+    target with its own content."""
     keep = view[page, off]
     mask = valid.view(-1, *([1] * (values.dim() - 1)))
     view[page, off] = torch.where(mask, values, keep)

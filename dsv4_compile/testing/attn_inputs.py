@@ -132,3 +132,68 @@ def make_attn_inputs(num_rows: int, num_heads: int, *, extra: str | None = "c4",
         sink[0], sink[1 % num_heads] = float("inf"), float("-inf")
     return AttnInputs(q, swa_cache, layout.SWA_PAGE_SIZE, swa_idx, swa_len, extra_cache, extra_page_size,
                       extra_idx, extra_len, sink, HEAD_DIM ** -0.5)
+
+
+# -- comparison against an fp64 golden (STYLE habit 11) --------------------------------------------
+_GOLDEN_ROW_KEYS = 1 << 15  # rows x keys per fp64 chunk (each key 512 fp64)
+OUT_FLOOR = 2.0 ** -8  # bf16 output: about one ulp, relative to the golden's magnitude
+LSE_FLOOR = 64 * torch.finfo(torch.float32).eps  # fp32 lse: reduction-order and exp2/log2 slack
+
+
+def golden_sparse_attn(inp: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """SPEC §4.4 in fp64 on the same quantised cache entries, without the final roundings of the
+    reference: ``out [T, H, 512] fp64``, ``lse [T, H] fp64`` (+inf for rows without valid keys)."""
+    from ..reference.kv_store import gather_model1
+
+    sets = [(inp.swa_cache, inp.swa_page_size, inp.swa_indices, inp.swa_lengths)]
+    if inp.extra_cache is not None:
+        sets.append((inp.extra_cache, inp.extra_page_size, inp.extra_indices, inp.extra_lengths))
+    chunk = max(1, _GOLDEN_ROW_KEYS // inp.entries_per_row())
+    outs, lses = [], []
+    for lo in range(0, inp.q.shape[0], chunk):
+        keys, valid = [], []
+        for cache, page_size, idx, lens in sets:
+            idx, lens = idx[lo:lo + chunk].long(), lens[lo:lo + chunk].long()
+            m = torch.arange(idx.shape[1], device=idx.device)
+            ok = (m < lens[:, None]) & (idx >= 0) & (idx < cache.shape[0] * page_size)
+            keys.append(gather_model1(cache, torch.where(ok, idx, -1), page_size).double())
+            valid.append(ok)
+        k, ok = torch.cat(keys, 1), torch.cat(valid, 1)  # [C, K, 512], [C, K]
+        logits = torch.einsum("chd,ckd->chk", inp.q[lo:lo + chunk].double(), k) * inp.softmax_scale
+        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
+        lse = torch.logsumexp(logits, -1)  # [C, H]
+        empty = torch.isneginf(lse)
+        safe = torch.where(empty, 0.0, lse)
+        gate = torch.sigmoid(safe - inp.attn_sink.double())
+        out = torch.einsum("chk,ckd->chd", torch.exp(logits - safe[..., None]), k) * gate[..., None]
+        outs.append(torch.where(empty[..., None], 0.0, out))
+        lses.append(torch.where(empty, float("inf"), lse))
+    return torch.cat(outs), torch.cat(lses)
+
+
+def _worst(err: torch.Tensor) -> str:
+    flat = int(err.argmax())
+    return f"max {err.max().item():.3e} at {tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))}"
+
+
+def assert_attn_close(got: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch.Tensor, torch.Tensor],
+                      golden: tuple[torch.Tensor, torch.Tensor], what: str = "kernel") -> None:
+    """Kernel vs eager, both against the fp64 golden: ``err_kernel <= 2 * err_eager + floor`` on
+    max and mean, for out and lse separately; infinite / NaN lse positions must match exactly."""
+    (out, lse), (e_out, e_lse), (g_out, g_lse) = got, eager, golden
+    out, lse, e_out, e_lse = out.double().cpu(), lse.double().cpu(), e_out.double().cpu(), e_lse.double().cpu()
+    g_out, g_lse = g_out.cpu(), g_lse.cpu()
+    assert not out.isnan().any() and not lse.isnan().any(), f"{what}: NaN in the output"
+    assert torch.equal(lse.isinf(), g_lse.isinf()) and torch.equal(lse[lse.isinf()], g_lse[g_lse.isinf()]), \
+        f"{what}: infinite lse positions differ"
+    fin = g_lse.isfinite()
+    checks = [("out", out - g_out, e_out - g_out, OUT_FLOOR * g_out.abs().max().clamp_min(1e-30),
+               OUT_FLOOR * g_out.abs().mean()),
+              ("lse", torch.where(fin, lse - g_lse, 0.0), torch.where(fin, e_lse - g_lse, 0.0),
+               LSE_FLOOR * g_lse[fin].abs().max().clamp_min(1.0) if fin.any() else 0.0, LSE_FLOOR)]
+    for name, err, err_eager, floor_max, floor_mean in checks:
+        err, err_eager = err.abs(), err_eager.abs()
+        assert err.max() <= 2 * err_eager.max() + floor_max, \
+            f"{what} {name}: {_worst(err)} > 2 x eager {err_eager.max().item():.3e} + {float(floor_max):.3e}"
+        assert err.mean() <= 2 * err_eager.mean() + floor_mean, \
+            f"{what} {name}: mean {err.mean().item():.3e} > 2 x eager {err_eager.mean().item():.3e} + floor"

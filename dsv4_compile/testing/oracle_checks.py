@@ -32,11 +32,13 @@ CACHE_RMS_RTOL = 0.01
 
 
 def make_engine(config: DSV4AttnConfig, *, max_requests: int = 4, max_seq_len: int = 1024,
-                seed: int = 0, device=None, **cache_kwargs) -> Engine:
+                seed: int = 0, device=None, capture_layers: bool = True, **cache_kwargs) -> Engine:
+    """A seeded stack, cache and engine; ``capture_layers`` records per-layer inputs (eager only:
+    leave it off for an engine whose forward will be compiled)."""
     cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, device=device,
                       **cache_kwargs)
     stack = DSV4AttentionStack(config, cache).reset_parameters(seed).to(device)
-    return Engine(stack, seed=seed + 1)
+    return Engine(stack, seed=seed + 1, capture_layers=capture_layers)
 
 
 def assert_outputs_match(engine: Engine, outputs: Mapping[int, torch.Tensor]) -> float:

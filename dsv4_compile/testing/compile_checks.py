@@ -1,0 +1,51 @@
+"""Helpers for compile-contract tests: a counting backend that keeps the traced FX graphs, fresh
+compile state, and exact / tolerant comparisons of outputs and cache contents."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch._dynamo
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._dynamo.utils import counters
+
+
+class GraphCapture(CompileCounterWithBackend):
+    """Counts Dynamo frames / ops like ``CompileCounterWithBackend`` and keeps every graph."""
+
+    def __init__(self, backend: str = "eager"):
+        super().__init__(backend)
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return super().__call__(gm, example_inputs)
+
+    def dsv4_ops(self, index: int = -1) -> list[str]:
+        """Names of the ``dsv4::`` ops called in a captured graph, in order."""
+        names = []
+        for node in self.graphs[index].graph.nodes:
+            name = str(node.target)
+            if node.op == "call_function" and name.startswith("dsv4."):
+                names.append(name)
+        return names
+
+
+@contextlib.contextmanager
+def fresh_compile_state():
+    """Reset Dynamo and counters; disable compile caches so every test really compiles."""
+    torch._dynamo.reset()
+    counters.clear()
+    with torch._inductor.config.patch(force_disable_caches=True):
+        yield
+    torch._dynamo.reset()
+
+
+def graph_breaks() -> int:
+    return sum(counters["graph_break"].values())
+
+
+def assert_caches_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    for (name, x), y in zip(a.state_dict().items(), b.state_dict().values()):
+        assert torch.equal(x, y), f"cache buffer {name} differs ({(x != y).float().mean().item():.2%} of elements)"
