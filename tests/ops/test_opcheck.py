@@ -1,0 +1,106 @@
+"""torch.library.opcheck on every dsv4:: op over its materially different paths (schema incl.
+mutation declarations, fake-vs-real metadata, AOT dispatch with dynamic shapes)."""
+
+import pytest
+import torch
+
+from dsv4_compile import DSV4AttnConfig, ForwardMode, build_step_metadata, layout
+from dsv4_compile.testing.oracle_checks import make_engine
+
+TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
+ops = torch.ops.dsv4
+CHECKS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+CHECKS_NO_SCHEMA = CHECKS[1:]  # fp8 tensors: the schema check's comparison has no CPU fp8 kernel
+
+
+@pytest.fixture(scope="module")
+def state():
+    """A cache with two requests (300 and 40 tokens) and the metadata of a decode and an extend step."""
+    torch.manual_seed(0)
+    eng = make_engine(TINY, max_requests=3, max_seq_len=512, capture_layers=False)
+    rows = [eng.admit(), eng.admit()]
+    with torch.no_grad():
+        eng.run(ForwardMode.EXTEND, {rows[0]: 300, rows[1]: 40})
+    cache = eng.stack.cache
+    steps = {
+        "decode": eng.build_step(ForwardMode.DECODE, {rows[0]: 1, rows[1]: 1})[1],
+        "extend_padded": eng.build_step(ForwardMode.EXTEND, {rows[0]: 3, rows[1]: 5}, pad_tokens=12)[1],
+    }
+    metas = {k: build_step_metadata(s, cache.req_to_token, cache.full_to_swa, TINY) for k, s in steps.items()}
+    return eng, cache, steps, metas
+
+
+def _opcheck(op, args, checks=CHECKS):
+    torch.library.opcheck(op, args, test_utils=checks)
+
+
+@pytest.mark.parametrize("step_name", ["decode", "extend_padded", "idle"])
+def test_metadata_ops(state, step_name):
+    _, cache, steps, _ = state
+    if step_name == "idle":
+        empty = torch.zeros(0, dtype=torch.int32)
+        _opcheck(ops.expand_queries, (empty, empty, empty, torch.zeros(3, dtype=torch.int64)))
+        return
+    step = steps[step_name]
+    _opcheck(ops.expand_queries, (step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc))
+    req, seq, _, _ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
+    _opcheck(ops.build_page_table, (cache.req_to_token, req))
+    _opcheck(ops.build_swa_metadata, (cache.req_to_token, cache.full_to_swa, req, seq, step.out_cache_loc))
+    _opcheck(ops.build_c4_metadata, (seq, step.out_cache_loc, 64))
+    page_table = ops.build_page_table(cache.req_to_token, req)
+    _opcheck(ops.build_c128_metadata, (page_table, seq, step.out_cache_loc))
+
+
+def test_cache_ops():
+    cache = torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8)
+    k = torch.randn(4, 512).bfloat16()
+    _opcheck(ops.store_kv, (cache, torch.tensor([1, -1, 70, 130]), k, 64))
+    _opcheck(ops.dequant_kv, (cache, torch.tensor([1, -1, 70], dtype=torch.int32), 64))
+    icache = torch.zeros(3, layout.index_page_bytes(), dtype=torch.uint8)
+    _opcheck(ops.store_index_k, (icache, torch.tensor([5, -1], dtype=torch.int32), torch.randn(2, 128), 64))
+
+
+@pytest.mark.parametrize("layer_id, step_name, index", [(1, "decode", False), (1, "extend_padded", True),
+                                                        (2, "extend_padded", False)])
+def test_compress_kv(state, layer_id, step_name, index):
+    eng, cache, steps, metas = state
+    layer, lc, meta = eng.stack.layers[layer_id], cache.layers[layer_id], metas[step_name]
+    comp = layer.indexer.compressor if index else layer.compressor
+    state_buf = lc.index_state if index else lc.kv_state
+    x = torch.randn(meta.positions.shape[0], TINY.hidden_size).bfloat16()
+    with torch.no_grad():
+        kv, score = comp.project(x)
+    _opcheck(ops.compress_kv, (state_buf.clone(), kv, score, comp.ape.detach(), meta.req_of_row,
+                               meta.seq_lens_casual, meta.row_start, meta.row_end, comp.norm.detach(),
+                               layer.inv_freq, comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps))
+
+
+@pytest.mark.parametrize("step_name", ["decode", "extend_padded"])
+def test_indexer_ops(state, step_name):
+    eng, cache, _, metas = state
+    meta, lc, layer = metas[step_name], cache.layers[1], eng.stack.layers[1]
+    t, h = meta.positions.shape[0], TINY.index_n_heads
+    q, w = torch.randn(t, h, 128).bfloat16(), torch.randn(t, h)
+    _opcheck(ops.indexer_prepare_q, (q, w, meta.positions, layer.inv_freq, 0.01), CHECKS_NO_SCHEMA)
+    q_fp8, w = ops.indexer_prepare_q(q, w, meta.positions, layer.inv_freq, 0.01)
+    # request 0 sees 75 entries (> top-k 64, scored), request 1 sees 10 (all, unscored)
+    _opcheck(ops.indexer_topk, (q_fp8, w, lc.index_k, meta.page_table, meta.c4_visible, 64), CHECKS_NO_SCHEMA)
+
+
+@pytest.mark.parametrize("extra, sink", [(None, 0.0), ("c4", 0.0), ("c128", float("-inf")),
+                                         ("c128", float("inf")), ("c4", 3.0)])
+def test_sparse_attn(state, extra, sink):
+    _, cache, _, metas = state
+    meta = metas["extend_padded"]
+    t = meta.positions.shape[0]
+    q = torch.randn(t, TINY.num_heads, 512).bfloat16()
+    sinks = torch.full((TINY.num_heads,), sink)
+    args = [q, cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths]
+    if extra is None:
+        args += [None, 0, None, None]
+    elif extra == "c4":  # short lengths: only a prefix of each index row counts
+        idx = torch.where(torch.arange(64) < 20, meta.c4_visible.unsqueeze(1) * 0 + torch.arange(64), -1)
+        args += [cache.layers[1].extra_kv, 64, (idx + 64).to(torch.int32), meta.c4_topk_lengths.clamp_max(20)]
+    else:
+        args += [cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths]
+    _opcheck(ops.sparse_attn, (*args, sinks, TINY.softmax_scale))
