@@ -28,7 +28,8 @@ from ..layer import DSV4AttentionStack
 LAYER_RTOL = 0.01
 STACK_RTOL = 0.05
 CACHE_MAX_RTOL = 0.15
-CACHE_RMS_RTOL = 0.01
+CACHE_RMS_RTOL = 0.01  # teacher-forced: layer inputs identical to the oracle's
+CACHE_RMS_RTOL_END_TO_END = 0.05  # later layers see drifted inputs (no per-layer capture)
 
 
 def make_engine(config: DSV4AttnConfig, *, max_requests: int = 4, max_seq_len: int = 1024,
@@ -56,7 +57,8 @@ def assert_cache_matches(engine: Engine, rows: Iterable[int]) -> dict[str, float
     for row in rows:
         for kind, err in engine.cache_error(row).items():
             worst[kind] = max(worst.get(kind, 0.0), err)
+    rms_bound = CACHE_RMS_RTOL if engine.layer_outputs else CACHE_RMS_RTOL_END_TO_END
     for kind, err in worst.items():
-        bound = CACHE_RMS_RTOL if kind.endswith("_rms") else CACHE_MAX_RTOL
+        bound = rms_bound if kind.endswith("_rms") else CACHE_MAX_RTOL
         assert err <= bound, f"cached {kind} differs from the oracle by {err:.4f} (bound {bound})"
     return worst
