@@ -18,6 +18,7 @@ import torch
 
 from .allocator import PageAllocator
 from .layer import DSV4AttentionStack
+from .compile import REQUEST_BUCKETS, TOKEN_BUCKETS, bucket
 from .config import PAGE_SIZE, SWA_WINDOW
 from .layout import INDEX_PAGE_SIZE
 from .oracle import oracle_cache_entries, oracle_layer, oracle_layer_inputs, oracle_stack
@@ -31,8 +32,9 @@ class Engine:
     """Drives ``forward(x, step)`` (the stack itself, or a compiled version of it)."""
 
     def __init__(self, stack: DSV4AttentionStack, *, seed: int = 0, forward: Forward | None = None,
-                 x_scale: float = 0.25, capture_layers: bool = True):
+                 x_scale: float = 0.25, capture_layers: bool = True, bucketed: bool = False):
         self.stack = stack
+        self.bucketed = bucketed  # pad every step to REQUEST_BUCKETS / TOKEN_BUCKETS
         self.x_scale = x_scale  # residual-stream scale of the random inputs
         self.forward = forward or stack
         self.allocator = PageAllocator(stack.cache)
@@ -84,6 +86,9 @@ class Engine:
             seq_lens.append(self.allocator.seq_len(row))
             ext.append(n)
             xs.append(x_new)
+        if self.bucketed:
+            pad_requests = max(pad_requests, bucket(len(rows), REQUEST_BUCKETS))
+            pad_tokens = max(pad_tokens, bucket(sum(ext), TOKEN_BUCKETS))
         pad_b = max(0, pad_requests - len(rows))
         rows, seq_lens, ext = rows + [0] * pad_b, seq_lens + [0] * pad_b, ext + [0] * pad_b
         loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=self.device)

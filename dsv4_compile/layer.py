@@ -187,9 +187,11 @@ class DSV4AttentionStack(nn.Module):
             layer.reset_parameters(gen)
         return self
 
-    def forward(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
-        """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16."""
-        if not torch.compiler.is_compiling():
+    def forward(self, x: torch.Tensor, step: StepInputs, validate: bool = True) -> torch.Tensor:
+        """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16.
+        Eager calls validate ``step`` on the host first (``validate=False`` skips that, e.g. while
+        capturing a CUDA graph by hand); compiled calls never do."""
+        if validate and not torch.compiler.is_compiling():
             validate_step(self.config, self.cache, x, step)
         meta = build_step_metadata(step, self.cache.req_to_token, self.cache.full_to_swa, self.config)
         h = x

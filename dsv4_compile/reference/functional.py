@@ -47,11 +47,13 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @functools.lru_cache(maxsize=None)
-def _hadamard_cpu(n: int) -> torch.Tensor:
+def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    """Unscaled Sylvester Hadamard matrix ``[n, n]`` fp32, built once per device (so a CUDA-graph
+    capture never sees the host-to-device copy)."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h
+    return h.to(device)
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:
@@ -59,5 +61,4 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     n = x.shape[-1]
     if n & (n - 1):
         raise ValueError(f"hadamard needs a power-of-two last dim, got {n}")
-    h = _hadamard_cpu(n).to(x.device)
-    return (x.float() @ h) * (1.0 / math.sqrt(n))
+    return (x.float() @ hadamard_matrix(n, x.device)) * (1.0 / math.sqrt(n))

@@ -1,0 +1,31 @@
+"""Compiling a step: the one piece of graph bookkeeping left — padding a batch to a bucket size.
+
+``torch.compile(stack, mode="reduce-overhead", fullgraph=True)`` records one CUDA graph per
+distinct input shape and replays it whenever that shape comes back; the step's metadata is
+recomputed inside the graph from the step tensors, so nothing else has to be copied, refreshed
+or kept per bucket. Padding the request count and the token count up to a few bucket sizes keeps
+the number of recorded graphs small (SGLang's capture sizes, without its persistent metadata).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+
+import torch
+
+# Request counts (decode) and token counts (verify / extend) a step is padded up to.
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``n`` (``n`` itself past the largest bucket)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n
+
+
+def compile_step(stack: torch.nn.Module, *, mode: str | None = "reduce-overhead", **kwargs):
+    """``torch.compile(stack, fullgraph=True, mode=mode)``: a whole step as one graph (CUDA graphs
+    under ``reduce-overhead`` on GPU; a plain compiled function on CPU)."""
+    return torch.compile(stack, fullgraph=True, mode=mode, **kwargs)
