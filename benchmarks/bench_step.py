@@ -1,0 +1,195 @@
+"""Per-step latency of one multi-layer DSV4 decode step, four ways, side by side in one run.
+
+Usage:
+    python benchmarks/bench_step.py --out step.json            # on a CUDA machine
+    python benchmarks/bench_step.py --plot step.json --png step.png   # plot a saved run (any machine)
+
+Ways (the same stack, cache and step tensors):
+    eager            stack(x, step) with Python launches per op
+    compile          torch.compile(stack, fullgraph=True) (no CUDA graphs)
+    reduce-overhead  torch.compile(stack, mode="reduce-overhead", fullgraph=True): CUDA-graph
+                     trees, metadata recomputed inside the graph, no bookkeeping
+    manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
+                     once with torch.cuda.CUDAGraph, inputs copied in before each replay
+
+Each request holds ``context`` tokens (pages allocated through the PageAllocator, cache pages
+filled with valid FP8 entries); the timed step decodes one token per request. Time per step is
+the median over CUDA-event-timed iterations (inputs copied in for manual-graph; the compiled
+function copies its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+
+from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardMode, PageAllocator, StepInputs
+from dsv4_compile.config import PAGE_SIZE
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="flash")
+    p.add_argument("--layers", default="0,4,128", help="compress ratios of the benchmarked stack")
+    p.add_argument("--batch", default="1,8,64,256")
+    p.add_argument("--context", default="4096,131072")
+    p.add_argument("--ways", default="eager,compile,reduce-overhead,manual-graph")
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--out", default=None, help="write results as JSON")
+    p.add_argument("--plot", default=None, help="plot a saved JSON instead of running")
+    p.add_argument("--png", default="bench_step.png")
+    return p.parse_args()
+
+
+def _fill_valid_pages(cache: DSV4Cache) -> None:
+    """Give every page of every pool valid FP8 content: store random keys into page 1 of each pool,
+    then copy page 1 over all pages (cheap at any capacity)."""
+    ops = torch.ops.dsv4
+    for lc in cache.layers:
+        pools = [(lc.swa_kv, PAGE_SIZE, 512, ops.store_kv)]
+        if lc.ratio:
+            pools.append((lc.extra_kv, lc.extra_page_size, 512, ops.store_kv))
+        if lc.ratio == 4:
+            pools.append((lc.index_k, 64, 128, ops.store_index_k))
+        for buf, page_size, dim, store in pools:
+            slots = torch.arange(page_size, 2 * page_size, device=buf.device)
+            store(buf, slots, torch.randn(page_size, dim, device=buf.device, dtype=torch.bfloat16), page_size)
+            buf[2:] = buf[1]
+            buf[0] = buf[1]
+
+
+def _setup(config: DSV4AttnConfig, max_batch: int, context: int, device):
+    max_seq = -(-(context + 1) // PAGE_SIZE) * PAGE_SIZE
+    chunk = 16 * PAGE_SIZE
+    cache = DSV4Cache(config, max_requests=max_batch, max_seq_len=max_seq,
+                      num_swa_pages=max_batch * (chunk // PAGE_SIZE + 2) + 1, device=device)
+    stack = DSV4AttentionStack(config, cache).reset_parameters(0).to(device)
+    alloc = PageAllocator(cache)
+    rows = [alloc.admit() for _ in range(max_batch)]
+    for row in rows:
+        for lo in range(0, context, chunk):  # chunks keep transient SWA pages bounded
+            alloc.extend(row, min(chunk, context - lo))
+    _fill_valid_pages(cache)
+    return stack, alloc, rows
+
+
+def _decode_step(alloc: PageAllocator, rows, hidden: int, device):
+    locs = torch.cat([alloc.extend(r, 1) for r in rows])
+    seq = [alloc.seq_len(r) for r in rows]
+    for r in rows:  # keep the context fixed: the same step is replayed every iteration
+        alloc.truncate(r, alloc.seq_len(r) - 1)
+    step = StepInputs.make(ForwardMode.DECODE, rows, seq, [1] * len(rows), locs, device=device)
+    return torch.randn(len(rows), hidden, device=device, dtype=torch.bfloat16), step
+
+
+def _time(fn, iters: int) -> float:
+    """Median µs per call, CUDA events around each call (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+def _manual_graph(stack, x, step):
+    """Static copies of the inputs, the eager step captured once, replay after copying inputs in."""
+    static_x = x.clone()
+    static = StepInputs(step.mode, *(t.clone() for t in step.tensors()))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            stack(static_x, static, validate=False)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        stack(static_x, static, validate=False)
+
+    def run():
+        static_x.copy_(x)
+        for dst, src in zip(static.tensors(), step.tensors()):
+            dst.copy_(src)
+        graph.replay()
+    return run
+
+
+def run(args) -> list[dict]:
+    device = "cuda"
+    config = DSV4AttnConfig.from_name(args.preset).with_(
+        compress_ratios=tuple(int(r) for r in args.layers.split(",")))
+    batches = [int(b) for b in args.batch.split(",")]
+    ways = args.ways.split(",")
+    results = []
+    torch.set_grad_enabled(False)
+    for context in (int(c) for c in args.context.split(",")):
+        stack, alloc, rows = _setup(config, max(batches), context, device)
+        compiled = {"compile": torch.compile(stack, fullgraph=True, dynamic=False),
+                    "reduce-overhead": torch.compile(stack, mode="reduce-overhead", fullgraph=True,
+                                                     dynamic=False)}
+        for b in batches:
+            x, step = _decode_step(alloc, rows[:b], config.hidden_size, device)
+            row = {"context": context, "batch": b}
+            for way in ways:
+                if way == "eager":
+                    fn = lambda: stack(x, step, validate=False)  # noqa: E731
+                elif way == "manual-graph":
+                    fn = _manual_graph(stack, x, step)
+                else:
+                    fn = lambda c=compiled[way]: c(x, step)  # noqa: E731
+                row[way] = _time(fn, args.iters)
+            base = row.get("manual-graph")
+            print(f"ctx {context:>7} b {b:>4}  " + "  ".join(
+                f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
+            results.append(row)
+        del stack, alloc, compiled
+        torch._dynamo.reset()
+        torch.cuda.empty_cache()
+    return results
+
+
+def plot(results: list[dict], png: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    contexts = sorted({r["context"] for r in results})
+    ways = [k for k in results[0] if k not in ("context", "batch")]
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
+    for ax, ctx in zip(axes[0], contexts):
+        rows = [r for r in results if r["context"] == ctx]
+        for way in ways:
+            ax.plot([r["batch"] for r in rows], [r[way] for r in rows], marker="o", label=way)
+        ax.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="µs per decode step",
+               title=f"context {ctx // 1024}k")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot(json.load(f)["results"], args.png)
+        return
+    results = run(args)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+                       "results": results}, f, indent=1)
+    try:
+        plot(results, args.png)
+    except ImportError:
+        print("matplotlib missing: plot later with --plot")
+
+
+if __name__ == "__main__":
+    main()
