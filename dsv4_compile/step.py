@@ -132,7 +132,7 @@ def build_step_metadata(step: StepInputs, req_to_token: torch.Tensor, full_to_sw
     ops = torch.ops.dsv4
     req_of_row, seq_casual, row_start, row_end = ops.expand_queries(
         step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    page_table = ops.build_page_table(req_to_token, req_of_row)
+    page_table = ops.build_page_table(req_to_token, req_of_row, seq_casual)
     swa_indices, swa_lengths, swa_out_loc = ops.build_swa_metadata(
         req_to_token, full_to_swa, req_of_row, seq_casual, step.out_cache_loc)
     meta = StepMetadata(req_of_row, seq_casual - 1, seq_casual, row_start, row_end, page_table,

@@ -12,6 +12,7 @@ import torch
 
 from ..reference import compressor as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
+from .kernels import compressor as kernels
 
 _F32 = (torch.float32,)
 
@@ -50,6 +51,15 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
            inv_freq, ratio, ring)
     return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end,
                            norm_weight, inv_freq, ratio, ring, rotate, eps)
+
+
+@compress_kv.register_kernel("cuda")
+def _(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight, inv_freq,
+      ratio, ring, rotate, eps):
+    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+           inv_freq, ratio, ring)
+    return kernels.launch_compress_kv(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end,
+                                      norm_weight, inv_freq, ratio, ring, rotate, eps)
 
 
 @compress_kv.register_fake

@@ -13,6 +13,7 @@ from .. import layout
 from ..config import INDEX_HEAD_DIM
 from ..reference import indexer as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
+from .kernels import indexer as kernels
 
 _FP8 = torch.float8_e4m3fn
 
@@ -35,6 +36,12 @@ def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.T
     ``weights [T, H]`` at ``positions [T]``."""
     _check_prepare(q, weights, positions, inv_freq)
     return ref.indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
+
+
+@indexer_prepare_q.register_kernel("cuda")
+def _(q, weights, positions, inv_freq, weight_scale):
+    _check_prepare(q, weights, positions, inv_freq)
+    return kernels.launch_indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
 
 
 @indexer_prepare_q.register_fake
@@ -63,6 +70,12 @@ def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor
     ``visible <= topk``), -1 padded."""
     _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
     return ref.indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)
+
+
+@indexer_topk.register_kernel("cuda")
+def _(q_fp8, w, index_cache, page_table, visible, topk):
+    _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
+    return kernels.launch_indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)
 
 
 @indexer_topk.register_fake

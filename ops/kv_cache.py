@@ -13,6 +13,7 @@ from .. import layout
 from ..config import HEAD_DIM, INDEX_HEAD_DIM
 from ..reference import kv_store as ref
 from ._checks import SLOT_DTYPES, check_same_rows, check_tensor
+from .kernels import kv_cache as kernels
 
 
 def check_model1_cache(op: str, name: str, cache: torch.Tensor, page_size: int) -> None:
@@ -38,6 +39,12 @@ def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_siz
     ref.store_model1(cache, slots, k, page_size)
 
 
+@store_kv.register_kernel("cuda")
+def _(cache, slots, k, page_size) -> None:
+    _check_store_kv(cache, slots, k, page_size)
+    kernels.launch_store_kv(cache, slots, k, page_size)
+
+
 @store_kv.register_fake
 def _(cache, slots, k, page_size) -> None:
     _check_store_kv(cache, slots, k, page_size)
@@ -53,6 +60,12 @@ def dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torc
     """Read back ``[N, 512] bf16`` keys at ``slots [N]`` (zeros for negative slots)."""
     _check_dequant_kv(cache, slots, page_size)
     return ref.gather_model1(cache, slots, page_size).to(torch.bfloat16)
+
+
+@dequant_kv.register_kernel("cuda")
+def _(cache, slots, page_size):
+    _check_dequant_kv(cache, slots, page_size)
+    return kernels.launch_dequant_kv(cache, slots, page_size)
 
 
 @dequant_kv.register_fake
@@ -76,6 +89,12 @@ def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, pag
     ``slots[n]`` of ``cache [N_pages, P * 132] uint8``; negative slots are skipped."""
     _check_store_index_k(cache, slots, k, page_size)
     ref.store_index_k(cache, slots, k, page_size)
+
+
+@store_index_k.register_kernel("cuda")
+def _(cache, slots, k, page_size) -> None:
+    _check_store_index_k(cache, slots, k, page_size)
+    kernels.launch_store_index_k(cache, slots, k, page_size)
 
 
 @store_index_k.register_fake

@@ -51,10 +51,14 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
             torch.where(real, l_b, 1).to(_I32))
 
 
-def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor) -> torch.Tensor:
-    """``page_table[q, i] = req_to_token[req_q, 256 i] // 256``: [T, NP] int32 (SPEC §3.3)."""
+def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
+                     seq_lens_casual: torch.Tensor) -> torch.Tensor:
+    """``page_table[q, i] = req_to_token[req_q, 256 i] // 256`` for the pages holding positions
+    ``< seq_lens_casual[q]``, 0 past them: [T, NP] int32 (SPEC §3.3). Every reader (c4 indexer,
+    c128 indices) stays inside that prefix, so a kernel reads only the row's live pages."""
     first_slots = req_to_token[:, ::PAGE_SIZE]  # [R, NP]
-    return (first_slots[req_of_row.long()] // PAGE_SIZE).to(_I32)
+    live = torch.arange(first_slots.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_casual.long().unsqueeze(1)
+    return torch.where(live, first_slots[req_of_row.long()] // PAGE_SIZE, 0).to(_I32)
 
 
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,

@@ -44,10 +44,10 @@ def test_metadata_ops(state, step_name):
     step = steps[step_name]
     _opcheck(ops.expand_queries, (step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc))
     req, seq, _, _ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    _opcheck(ops.build_page_table, (cache.req_to_token, req))
+    _opcheck(ops.build_page_table, (cache.req_to_token, req, seq))
     _opcheck(ops.build_swa_metadata, (cache.req_to_token, cache.full_to_swa, req, seq, step.out_cache_loc))
     _opcheck(ops.build_c4_metadata, (seq, step.out_cache_loc, 64))
-    page_table = ops.build_page_table(cache.req_to_token, req)
+    page_table = ops.build_page_table(cache.req_to_token, req, seq)
     _opcheck(ops.build_c128_metadata, (page_table, seq, step.out_cache_loc))
 
 

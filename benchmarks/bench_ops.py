@@ -1,0 +1,320 @@
+"""Per-op GPU time of the dsv4 Triton kernels vs their torch references, by CUDA-graph replay.
+
+Usage:
+    python benchmarks/bench_ops.py                       # every case, JSON to bench_ops.json
+    python benchmarks/bench_ops.py --batch 256 --capacity 1048576 --only metadata
+    python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
+    TRITON_INTERPRET=1 python benchmarks/bench_ops.py --dry-run --device cpu --batch 1 4 --capacity 1024
+
+Timing: each case's callable is run twice (compile / warm up), then ``--inner`` calls are captured
+in one CUDA graph, the graph is replayed ``--iters`` times and the median replay time divided by
+``--inner`` is reported (so graph-launch overhead is amortised, as inside a full-step graph).
+By default the L2 is warm across the inner calls; ``--cold-l2`` writes a 2x-L2 buffer before
+every call and subtracts the time of that write alone (noisier; better for large gathers).
+
+Reported per case: kernel and reference µs, bytes moved (each case builder states what it counts),
+achieved GB/s and the fraction of the H200's 4.8 TB/s. A summary records the two step budgets:
+all metadata ops of a b=256 decode step at 1M tokens per request, as five launches and fused
+(``dsv4::step_metadata``) (target <= 10 µs), and ``store_kv`` at b=256 (target <= 5 µs).
+
+Adding cases: a builder is ``fn(args) -> list[Case]`` appended to ``CASE_BUILDERS``. Another
+module next to this script, ``ops_cases_compress_index.py``, is imported when present and must
+expose ``cases(args) -> list`` of objects with the attributes of :class:`Case` (``from bench_ops
+import Case`` works, the script's folder is on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import statistics
+import sys
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from dsv4_compile import layout as L  # noqa: E402
+from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW  # noqa: E402
+from dsv4_compile.ops.kernels import kv_cache as kv_kernels  # noqa: E402
+from dsv4_compile.ops.kernels import metadata as meta_kernels  # noqa: E402
+from dsv4_compile.reference import kv_store as ref_kv  # noqa: E402
+from dsv4_compile.reference import metadata as ref_meta  # noqa: E402
+from dsv4_compile.testing import cache_inputs as inputs  # noqa: E402
+
+PEAK_GBPS = 4800.0  # H200 HBM3e
+INDEX_TOPK = 512
+STEP_BUDGETS = {  # summary key -> (case name, params to match, target µs)
+    "decode_metadata_b256_1M": ("decode_metadata_total", {"b": 256, "capacity": 1 << 20}, 10.0),
+    "decode_metadata_fused_b256_1M": ("decode_metadata_fused", {"b": 256, "capacity": 1 << 20}, 10.0),
+    "store_kv_b256": ("store_kv", {"b": 256, "page": L.SWA_PAGE_SIZE}, 5.0),
+}
+
+
+@dataclass
+class Case:
+    """One benchmark row. ``kernel`` / ``reference`` take no arguments (inputs are closed over)
+    and must be CUDA-graph capturable; ``bytes`` is the HBM traffic the GB/s figure uses."""
+
+    name: str
+    params: dict
+    kernel: Callable[[], object]
+    reference: Callable[[], object] | None
+    bytes: int
+    family: str = ""
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+# -- timing ------------------------------------------------------------------------------------
+def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[[], object] | None = None
+             ) -> float:
+    """Median µs per call of ``fn`` (preceded by ``before`` if given) over CUDA-graph replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph expects
+        for _ in range(2):
+            if before is not None:
+                before()
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            if before is not None:
+                before()
+            fn()
+    graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    del graph
+    return 1e3 * ms / inner
+
+
+def time_case(fn, args, flush) -> float:
+    if not args.cold_l2:
+        return graph_us(fn, args.iters, args.inner)
+    return graph_us(fn, args.iters, args.inner, flush) - graph_us(lambda: None, args.iters, args.inner, flush)
+
+
+# -- cache-write cases -------------------------------------------------------------------------
+def _dequant_reference(cache, slots, page_size):
+    return ref_kv.gather_model1(cache, slots, page_size).to(torch.bfloat16)
+
+
+def kv_cache_cases(args) -> list[Case]:
+    """store_kv (SWA page 256 and c128 page 2), dequant_kv, store_index_k with b rows.
+
+    Bytes: keys read (bf16) + slots read (int64) + packed bytes written (584 per MODEL1 token,
+    132 per indexer entry); dequant reads 584 and writes 1024 per row.
+    """
+    cases = []
+    for b in args.batch:
+        gen = torch.Generator(device=args.device).manual_seed(b)
+        k = inputs.model1_keys(b, gen)
+        for page in (L.SWA_PAGE_SIZE, L.C128_PAGE_SIZE):
+            num_pages = 2 * b // page + 3
+            cache = torch.zeros(num_pages, L.model1_page_bytes(page), dtype=torch.uint8, device=args.device)
+            slots = inputs.distinct_slots(b, num_pages, page, gen)
+            params = {"b": b, "page": page}
+            cases.append(Case("store_kv", params, family="kv_cache",
+                              kernel=partial(kv_kernels.launch_store_kv, cache, slots, k, page),
+                              reference=partial(ref_kv.store_model1, cache, slots, k, page),
+                              bytes=b * (2 * HEAD_DIM + 8 + L.TOKEN_BYTES)))
+            if page == L.SWA_PAGE_SIZE:
+                cases.append(Case("dequant_kv", params, family="kv_cache",
+                                  kernel=partial(kv_kernels.launch_dequant_kv, cache, slots, page),
+                                  reference=partial(_dequant_reference, cache, slots, page),
+                                  bytes=b * (8 + L.TOKEN_BYTES + 2 * HEAD_DIM)))
+        page = L.INDEX_PAGE_SIZE
+        num_pages = 2 * b // page + 3
+        cache = torch.zeros(num_pages, L.index_page_bytes(page), dtype=torch.uint8, device=args.device)
+        slots = inputs.distinct_slots(b, num_pages, page, gen)
+        k_index = inputs.index_keys(b, torch.bfloat16, gen)
+        cases.append(Case("store_index_k", {"b": b, "page": page}, family="kv_cache",
+                          kernel=partial(kv_kernels.launch_store_index_k, cache, slots, k_index, page),
+                          reference=partial(ref_kv.store_index_k, cache, slots, k_index, page),
+                          bytes=b * (2 * INDEX_HEAD_DIM + 8 + L.INDEX_ENTRY_BYTES)))
+    return cases
+
+
+# -- metadata cases ----------------------------------------------------------------------------
+def _decode_step(req_to_token, b, capacity, gen):
+    """A decode step of b distinct requests, lengths uniform in [capacity / 2, capacity]."""
+    rows = torch.randperm(req_to_token.shape[0] - 1, generator=gen, device=gen.device)[:b] + 1
+    seq = torch.randint(capacity // 2, capacity + 1, (b,), generator=gen, device=gen.device)
+    return inputs.make_step(req_to_token, rows, seq, [1] * b)
+
+
+def _expand_kernel(req_rows, seq_lens, extend_lens, out_cache_loc):
+    return meta_kernels.launch_expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
+
+
+def _expand_reference(req_rows, seq_lens, extend_lens, out_cache_loc):
+    return ref_meta.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
+
+
+KERNELS = dict(expand=_expand_kernel, page_table=meta_kernels.launch_build_page_table,
+               swa=meta_kernels.launch_build_swa_metadata, c4=meta_kernels.launch_build_c4_metadata,
+               c128=meta_kernels.launch_build_c128_metadata)
+REFERENCES = dict(expand=_expand_reference, page_table=ref_meta.build_page_table,
+                  swa=ref_meta.build_swa_metadata, c4=ref_meta.build_c4_metadata,
+                  c128=ref_meta.build_c128_metadata)
+
+
+def _metadata_chain(impl, step, req_to_token, full_to_swa):
+    """Every metadata op of a decode step of a model with c4 and c128 layers, in step order."""
+    req_rows, seq_lens, extend_lens, out_cache_loc = step
+    req_of_row, seq_casual, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
+    page_table = impl["page_table"](req_to_token, req_of_row)
+    impl["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc)
+    impl["c4"](seq_casual, out_cache_loc, INDEX_TOPK)
+    impl["c128"](page_table, seq_casual, out_cache_loc)
+
+
+def metadata_cases(args) -> list[Case]:
+    """Each metadata op, and all of them chained, for decode at b requests and each capacity.
+
+    Bytes count useful data only, int32 throughout: expand reads 3 x 4 B per request and writes
+    16 B per row; page_table reads one 4 B slot per page (alone in its 32 B sector: the real
+    traffic is up to 8x more) and writes 4 B; swa reads 128 slots and 128 mapped slots and writes
+    130 entries; c4 reads 12 B and writes 12 B per row; c128 writes its full width and reads the
+    page-table entries of the visible prefix (about L / 256 per row).
+    """
+    cases = []
+    for capacity in args.capacity:
+        gen = torch.Generator(device=args.device).manual_seed(capacity)
+        req_to_token, full_to_swa = inputs.index_maps(max(args.batch), capacity, gen)
+        n_pages = capacity // PAGE_SIZE
+        width = ref_meta.ceil_to(2 * n_pages, 64)
+        for b in args.batch:
+            step = _decode_step(req_to_token, b, capacity, gen)
+            req_rows, seq_lens, extend_lens, loc = step
+            req_of_row, seq_casual, _, _ = _expand_reference(*step)
+            page_table = ref_meta.build_page_table(req_to_token, req_of_row, seq_casual)
+            visible_pages = int(seq_lens.sum()) // PAGE_SIZE
+            params = {"b": b, "capacity": capacity}
+            per_op = {  # case name -> (op key, arguments, bytes)
+                "expand_queries": ("expand", step, 28 * b),
+                "build_page_table": ("page_table", (req_to_token, req_of_row, seq_casual),
+                                     4 * b * n_pages + 4 * visible_pages + 8 * b),
+                "build_swa_metadata": ("swa", (req_to_token, full_to_swa, req_of_row, seq_casual, loc),
+                                       b * (4 * (3 * SWA_WINDOW + 4) + 8)),
+                "build_c4_metadata": ("c4", (seq_casual, loc, INDEX_TOPK), 24 * b),
+                "build_c128_metadata": ("c128", (page_table, seq_casual, loc),
+                                        4 * b * width + 4 * visible_pages + 24 * b),
+            }
+            for name, (key, op_args, nbytes) in per_op.items():
+                cases.append(Case(name, params, family="metadata", bytes=nbytes,
+                                  kernel=partial(KERNELS[key], *op_args),
+                                  reference=partial(REFERENCES[key], *op_args)))
+            cases.append(Case("decode_metadata_total", params, family="metadata",
+                              bytes=sum(nbytes for _, _, nbytes in per_op.values()),
+                              kernel=partial(_metadata_chain, KERNELS, step, req_to_token, full_to_swa),
+                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, full_to_swa),
+                              notes="expand + page_table + swa + c4 + c128 (5 launches)"))
+            cases.append(Case("decode_metadata_fused", params, family="metadata",
+                              bytes=sum(nbytes for _, _, nbytes in per_op.values()) - 4 * visible_pages,
+                              kernel=partial(meta_kernels.launch_step_metadata, *step, req_to_token,
+                                             full_to_swa, INDEX_TOPK),
+                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, full_to_swa),
+                              notes="dsv4::step_metadata: the same outputs in one launch"))
+    return cases
+
+
+CASE_BUILDERS: list[Callable[[argparse.Namespace], list]] = [kv_cache_cases, metadata_cases]
+
+
+def _extra_builders() -> list[Callable]:
+    if importlib.util.find_spec("ops_cases_compress_index") is None:
+        return []
+    return [importlib.import_module("ops_cases_compress_index").cases]
+
+
+# -- driver ------------------------------------------------------------------------------------
+def run(args) -> dict:
+    """Time every selected case (or, with ``--dry-run``, call each once) and summarise."""
+    flush = None
+    if args.cold_l2:
+        l2 = torch.cuda.get_device_properties(0).L2_cache_size
+        scratch = torch.empty(2 * l2, dtype=torch.uint8, device=args.device)
+        flush = scratch.zero_
+    results = []
+    for builder in CASE_BUILDERS + _extra_builders():
+        for case in builder(args):
+            label = f"{case.name} {case.params}"
+            if args.only and not any(s in f"{case.family} {label}" for s in args.only):
+                continue
+            if args.dry_run:
+                case.kernel()
+                if case.reference is not None:
+                    case.reference()
+                print(f"{label:60s} ran", flush=True)
+                continue
+            row = {"name": case.name, "family": case.family, "params": case.params, "bytes": case.bytes,
+                   "notes": case.notes, **case.extra}
+            row["kernel_us"] = time_case(case.kernel, args, flush)
+            row["kernel_GBps"] = case.bytes / row["kernel_us"] / 1e3
+            row["kernel_peak_frac"] = row["kernel_GBps"] / PEAK_GBPS
+            if case.reference is not None and not args.no_reference:
+                row["reference_us"] = time_case(case.reference, args, flush)
+                row["speedup"] = row["reference_us"] / row["kernel_us"]
+            results.append(row)
+            ref_txt = f"ref {row['reference_us']:9.2f} µs  x{row['speedup']:6.1f}" if "reference_us" in row else ""
+            print(f"{label:60s} {row['kernel_us']:8.2f} µs {row['kernel_GBps']:8.1f} GB/s "
+                  f"({100 * row['kernel_peak_frac']:5.1f}%)  {ref_txt}", flush=True)
+            torch.cuda.empty_cache()
+    if args.dry_run:
+        return {}
+    summary = {}
+    for key, (name, params, target) in STEP_BUDGETS.items():
+        hits = [r for r in results if r["name"] == name and all(r["params"].get(k) == v for k, v in params.items())]
+        if hits:
+            summary[key] = {"us": hits[0]["kernel_us"], "target_us": target, "met": hits[0]["kernel_us"] <= target}
+            print(f"{key}: {hits[0]['kernel_us']:.2f} µs (target {target} µs)")
+    return {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "args": vars(args),
+            "results": results, "summary": summary}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests (rows) per step")
+    parser.add_argument("--capacity", type=int, nargs="+", default=[8192, 131072, 1 << 20],
+                        help="tokens per request (L_max) for the metadata cases")
+    parser.add_argument("--iters", type=int, default=100, help="graph replays timed")
+    parser.add_argument("--inner", type=int, default=20, help="calls captured per graph")
+    parser.add_argument("--only", nargs="*", default=[], help="keep cases whose 'family name {params}' "
+                        "contains any of these substrings")
+    parser.add_argument("--cold-l2", action="store_true", help="flush the L2 before every call")
+    parser.add_argument("--no-reference", action="store_true", help="time the kernels only")
+    parser.add_argument("--json", default="bench_ops.json", help="output file")
+    parser.add_argument("--dry-run", action="store_true", help="call each case once, no timing "
+                        "(a smoke test; with --device cpu it runs under TRITON_INTERPRET=1)")
+    parser.add_argument("--device", default="cuda")
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("bench_ops.py needs a CUDA device")
+    if not args.dry_run and args.device != "cuda":
+        sys.exit("timing needs --device cuda")
+    report = run(args)
+    if args.dry_run:
+        return
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,8 @@
+"""Custom Inductor FX passes over ``dsv4::`` op graphs (installed as ``dsv4_compile.fx_passes``).
+
+Passes see the post-grad graph, where the metadata and cache ops appear as plain ``dsv4.*``
+nodes (mutating ones wrapped in ``auto_functionalized_v2``); see COMPILE_GUIDE §4.
+"""
+
+if __name__ != "dsv4_compile.fx_passes":  # installed from the top-level fx_passes/ folder
+    raise ImportError(f"import dsv4_compile.fx_passes, not {__name__!r}")

@@ -1,0 +1,193 @@
+"""Triton kernels for the paged cache writes and reads (SPEC §2.2, §2.3, §4.1).
+
+``launch_store_kv`` / ``launch_dequant_kv``: MODEL1 token packs (attention caches);
+``launch_store_index_k``: indexer key packs. One program per row; byte layouts from ``layout.py``.
+
+Shape legend: N = rows, P = page size (entries per page), Nb = bytes per page.
+
+Exactness: the scale exponent is computed from the float's bits, the scale is an exact power of
+two and every division is IEEE round-to-nearest (``div_rn``), so on the GPU the written bytes equal
+the reference's bytes. A row with a negative slot writes nothing: every store is masked.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout as L
+from ...config import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM, ROPE_DIM
+
+# The interpreter's fp32 -> fp8 cast mis-rounds when the mantissa carries into the exponent (it can
+# halve a value), so there the cast is done in integer arithmetic, which is exact everywhere.
+_SOFT_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _ceil_log2(x):
+    """Exact ``ceil(log2(x))`` (int32) of positive normal fp32 ``x``, from its bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
+
+
+@triton.jit
+def _e4m3_rne_bits(x):
+    """float8_e4m3fn bits (uint8) of finite fp32 ``|x| <= 448``, round-to-nearest-even."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = ((bits >> 31) & 1) << 7
+    a = bits & 0x7FFFFFFF
+    # normal range [2**-6, 448]: drop 20 mantissa bits with RNE; a carry bumps the exponent
+    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
+    # subnormal range: integer multiple of 2**-9, from the 24-bit significand
+    mant = (a & 0x7FFFFF) | 0x800000
+    shift = tl.minimum(14 - ((a >> 23) - 127), 31)
+    sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
+    return (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
+
+
+@triton.jit
+def _to_e4m3_bits(x, SOFT_FP8: tl.constexpr):
+    """``x`` (fp32, clamped to +-448) as float8_e4m3fn bits (uint8)."""
+    if SOFT_FP8:
+        return _e4m3_rne_bits(x)
+    else:
+        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+
+
+@triton.jit
+def _slot_page(slots_ptr, row, PAGE: tl.constexpr):
+    """``(valid, page, offset)`` of ``slots[row]``, int64; a negative slot maps to (0, 0)."""
+    slot = tl.load(slots_ptr + row).to(tl.int64)
+    valid = slot >= 0
+    slot = tl.maximum(slot, 0)
+    return valid, slot // PAGE, slot % PAGE
+
+
+@triton.jit
+def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
+                     PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                     NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
+                     NUM_TILES: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+                     BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Row n of ``k [N, 512] bf16`` -> MODEL1 bytes of slot ``slots[n]`` (SPEC §2.2)."""
+    tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
+    tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
+    row = tl.program_id(0).to(tl.int64)
+    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    page_ptr = cache_ptr + page * stride_page
+    data_ptr = page_ptr + off * DATA_BYTES
+    scale_ptr = page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+
+    tile = tl.arange(0, 8)
+    col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64] element index
+    x = tl.load(k_ptr + row * stride_kn + col * stride_kd).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)  # [8]
+    exponent = _ceil_log2(tl.math.div_rn(amax, FP8_MAX))
+    is_nope = tile < NUM_TILES
+    # 2**-exponent from its bits (exact; the rope tile's value is unused)
+    inv_scale = (tl.where(is_nope, 127 - exponent, 127) << 23).to(tl.float32, bitcast=True)
+    fp8 = _to_e4m3_bits(tl.clamp(x * inv_scale[:, None], -FP8_MAX, FP8_MAX), SOFT_FP8)
+    tl.store(data_ptr + col, fp8, mask=is_nope[:, None] & valid)
+
+    r = tl.arange(0, ROPE)
+    rope = tl.load(k_ptr + row * stride_kn + (NOPE + r) * stride_kd)
+    rope_ptr = (data_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))  # byte offset is even
+    tl.store(rope_ptr + r, rope, mask=valid)
+
+    scales = tl.where(is_nope, exponent + BIAS, 0).to(tl.uint8)  # byte 7 is the zero pad
+    tl.store(scale_ptr + tile, scales, mask=valid)
+
+
+@triton.jit
+def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, stride_page, stride_on,
+                       PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
+                       NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
+                       NUM_TILES: tl.constexpr, BIAS: tl.constexpr):
+    """MODEL1 bytes of slot ``slots[n]`` -> row n of ``out [N, 512] bf16`` (zeros if slot < 0)."""
+    row = tl.program_id(0).to(tl.int64)
+    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    page_ptr = cache_ptr + page * stride_page
+    data_ptr = page_ptr + off * DATA_BYTES
+    scale_ptr = page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+
+    tile = tl.arange(0, 8)
+    is_nope = tile < NUM_TILES
+    col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64]
+    # a negative slot reads nothing: code 0 (+0.0) at scale 1, rope 0
+    code = tl.load(data_ptr + col, mask=is_nope[:, None] & valid, other=0)
+    e = tl.load(scale_ptr + tile, mask=is_nope & valid, other=BIAS).to(tl.int32)
+    # 2**(e - 127) from its bits; e == 0 is the subnormal 2**-127
+    scale = tl.where(e == 0, 1 << 22, e << 23).to(tl.float32, bitcast=True)
+    nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale[:, None]
+    # exact in bf16: 4 significant bits times a power of two
+    tl.store(out_ptr + row * stride_on + col, nope.to(tl.bfloat16), mask=is_nope[:, None])
+
+    r = tl.arange(0, ROPE)
+    rope = tl.load((data_ptr + NOPE).to(tl.pointer_type(tl.bfloat16)) + r, mask=valid, other=0.0)
+    tl.store(out_ptr + row * stride_on + NOPE + r, rope)
+
+
+@triton.jit
+def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
+                          PAGE: tl.constexpr, DIM: tl.constexpr, FP8_MAX: tl.constexpr,
+                          EPS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]`` (SPEC §2.3)."""
+    row = tl.program_id(0).to(tl.int64)
+    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    page_ptr = cache_ptr + page * stride_page
+    d = tl.arange(0, DIM)
+    v = tl.load(k_ptr + row * stride_kn + d * stride_kd).to(tl.float32)
+    sigma = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), EPS), FP8_MAX)
+    fp8 = _to_e4m3_bits(tl.clamp(tl.math.div_rn(v, sigma), -FP8_MAX, FP8_MAX), SOFT_FP8)
+    tl.store(page_ptr + off * DIM + d, fp8, mask=valid)
+    scale_ptr = (page_ptr + PAGE * DIM + off * 4).to(tl.pointer_type(tl.float32))  # 4-aligned
+    tl.store(scale_ptr, sigma, mask=valid)
+
+
+def _check_page_rows(cache: torch.Tensor) -> None:
+    if cache.stride(1) != 1:
+        raise ValueError(f"cache pages must be contiguous bytes, got strides {cache.stride()}")
+
+
+def _model1_constants() -> dict:
+    return dict(DATA_BYTES=L.TOKEN_DATA_BYTES, SCALE_BYTES=L.TOKEN_SCALE_BYTES, NOPE=NOPE_DIM,
+                ROPE=ROPE_DIM, TILE=L.FP8_TILE, NUM_TILES=L.NUM_TILES, BIAS=L.UE8M0_BIAS)
+
+
+def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+    """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (int32/int64 [N];
+    negative: skipped) of ``cache [N_pages, Nb] uint8`` (pages may be strided, bytes contiguous)."""
+    _check_page_rows(cache)
+    if k.shape[0] == 0:
+        return
+    _store_kv_kernel[(k.shape[0],)](
+        cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
+        FP8_MAX=L.FP8_MAX, EPS=L.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=_SOFT_FP8,
+        num_warps=4)
+
+
+def launch_dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Keys at ``slots [N]`` of a MODEL1 cache as ``[N, 512] bf16`` (zeros for negative slots)."""
+    _check_page_rows(cache)
+    out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
+    if slots.shape[0]:
+        _dequant_kv_kernel[(slots.shape[0],)](
+            out, cache, slots.contiguous(), cache.stride(0), out.stride(0), PAGE=page_size,
+            **_model1_constants(), num_warps=4)
+    return out
+
+
+def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                         page_size: int) -> None:
+    """Quantise indexer keys ``k [N, 128] bf16/fp32`` (fp8 + fp32 scale per entry) and write row n
+    at ``slots[n]`` (negative: skipped) of ``cache [N_pages, P * 132] uint8``."""
+    _check_page_rows(cache)
+    if k.shape[0] == 0:
+        return
+    _store_index_k_kernel[(k.shape[0],)](
+        cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
+        DIM=INDEX_HEAD_DIM, FP8_MAX=L.FP8_MAX, EPS=L.INDEX_SCALE_EPS, SOFT_FP8=_SOFT_FP8,
+        num_warps=1)

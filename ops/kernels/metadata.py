@@ -1,0 +1,310 @@
+"""Triton kernels for the per-step metadata ops (SPEC §3).
+
+One program per query row (the wide outputs also split their columns over a second grid axis).
+Output widths are fixed by capacity; loads are masked to what the row can see, so the work beyond
+the stores grows with true lengths. Values equal the reference's exactly (int32 outputs; integer
+division by the page size or ratio is floor division, as in PyTorch).
+
+Shape legend: B = requests, T = query rows, R = request rows, L_max = tokens per request,
+NP = L_max // 256, W = 128 (SWA window), K = ceil64(2 NP) (c128 index width).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ...config import INDEX_ALIGN, PAGE_SIZE, SWA_WINDOW
+
+_I32 = torch.int32
+_MAX_BLOCK = 1024  # columns per program for the wide outputs
+
+
+@triton.jit
+def _floor_div(a, B: tl.constexpr):
+    """``a // B`` rounded towards -inf (PyTorch semantics) for a positive constant ``B``."""
+    q = a // B
+    return q - ((a % B) < 0).to(q.dtype)
+
+
+@triton.jit
+def _torch_index(i, n):
+    """A possibly negative index ``i`` into a length-``n`` tensor, wrapped like ``t[i]``."""
+    return tl.where(i < 0, i + n, i)
+
+
+@triton.jit
+def _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B: tl.constexpr):
+    """Row q -> (request row, position + 1, first position and end of its request this step).
+
+    The request of row q is ``b = #{i : ends[i] <= q}`` with ``ends`` the inclusive cumsum of
+    ``extend_lens`` (= ``searchsorted(ends, q, right=True)``), and its first row is the largest end
+    ``<= q``. Both are counted over ``extend_lens`` chunk by chunk, so no scratch buffer or second
+    launch is needed; rows past the last end are padding (request 0, seq 1, range [0, 1)).
+    """
+    count = q * 0
+    first_row = q * 0
+    total = q * 0
+    for c in range(0, B, BLOCK_B):
+        i = c + tl.arange(0, BLOCK_B)
+        e = tl.load(extend_lens_ptr + i, mask=i < B, other=0).to(tl.int32)
+        ends = tl.cumsum(e, axis=0) + total
+        before = (i < B) & (ends <= q)
+        count += tl.sum(before.to(tl.int32), axis=0)
+        first_row = tl.maximum(first_row, tl.max(tl.where(before, ends, 0), axis=0))
+        total += tl.sum(e, axis=0)
+    real = q < total
+    b = tl.minimum(count, B - 1)
+    e_b = tl.load(extend_lens_ptr + b, mask=real, other=0).to(tl.int32)
+    end = tl.load(seq_lens_ptr + b, mask=real, other=1).to(tl.int32)
+    req = tl.load(req_rows_ptr + b, mask=real, other=0).to(tl.int32)
+    start = tl.where(real, end - e_b, 0)
+    return req, tl.where(real, start + (q - first_row) + 1, 1), start, end
+
+
+@triton.jit
+def _page_block(req_to_token_ptr, req, seq, i, stride_rr, stride_rl, NP, PAGE: tl.constexpr):
+    """Full-pool pages ``req_to_token[req, 256 i] // 256`` of page indices ``i`` holding positions
+    below ``seq`` (0 past them and past NP): only the row's live pages are read."""
+    full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + (i * PAGE).to(tl.int64) * stride_rl,
+                   mask=(i < NP) & (i * PAGE < seq), other=0)
+    return _floor_div(full, PAGE)
+
+
+@triton.jit
+def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr,
+             full_to_swa_ptr, stride_rr, stride_rl, stride_f, n_swa, W: tl.constexpr):
+    """Window slots of row q, newest first (-1 before position 0), its length and write slot."""
+    p = (seq - 1).to(tl.int64) - tl.arange(0, W)
+    m = p >= 0
+    full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl, mask=m, other=0)
+    swa = tl.load(full_to_swa_ptr + _torch_index(full.to(tl.int64), n_swa) * stride_f, mask=m)
+    tl.store(indices_ptr + q * W + tl.arange(0, W), tl.where(m, swa, -1).to(tl.int32))
+    tl.store(lengths_ptr + q, tl.minimum(seq, W).to(tl.int32))
+    loc_swa = tl.load(full_to_swa_ptr + _torch_index(loc.to(tl.int64), n_swa) * stride_f)
+    tl.store(out_loc_ptr + q, loc_swa.to(tl.int32))
+
+
+@triton.jit
+def _compressed_out_loc(seq, loc, R: tl.constexpr):
+    """``loc // R`` for a row completing a ratio-R window (``seq % R == 0``), else -1 (int32)."""
+    return tl.where(seq % R == 0, _floor_div(loc.to(tl.int64), R), -1).to(tl.int32)
+
+
+@triton.jit
+def _c4_fields(seq, loc, topk):
+    """Ratio-4 write slot, visible entries and attention length (clamped to [1, topk]), int32."""
+    visible = _floor_div(seq.to(tl.int64), 4)
+    return (_compressed_out_loc(seq, loc, 4), visible.to(tl.int32),
+            tl.minimum(tl.maximum(visible, 1), topk).to(tl.int32))
+
+
+@triton.jit
+def _c128_block(q, j, visible, page, indices_ptr, NP, K):
+    """c128 entries j of row q: ``page * 2 + j % 2`` (``page`` = page_table[q, j // 2]) while
+    ``j < (pos + 1) // 128``, -1 after (up to the width K)."""
+    valid = (j < visible) & (j < 2 * NP)
+    tl.store(indices_ptr + q * K + j, tl.where(valid, page.to(tl.int64) * 2 + j % 2, -1).to(tl.int32),
+             mask=j < K)
+
+
+@triton.jit
+def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_out_ptr, seq_out_ptr,
+                           start_out_ptr, end_out_ptr, B, BLOCK_B: tl.constexpr):
+    q = tl.program_id(0)
+    req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
+    tl.store(req_out_ptr + q, req)
+    tl.store(seq_out_ptr + q, seq)
+    tl.store(start_out_ptr + q, start)
+    tl.store(end_out_ptr + q, end)
+
+
+@triton.jit
+def _page_table_kernel(out_ptr, req_to_token_ptr, req_of_row_ptr, seq_ptr, stride_rr, stride_rl, NP,
+                       PAGE: tl.constexpr, BLOCK: tl.constexpr):
+    """``out[q, i] = req_to_token[req_q, 256 i] // 256`` for a block of pages i (0 past the row)."""
+    q = tl.program_id(0).to(tl.int64)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    req = tl.load(req_of_row_ptr + q)
+    page = _page_block(req_to_token_ptr, req, tl.load(seq_ptr + q), i, stride_rr, stride_rl, NP, PAGE)
+    tl.store(out_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
+
+
+@triton.jit
+def _swa_kernel(indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
+                req_of_row_ptr, seq_ptr, out_cache_loc_ptr, stride_rr, stride_rl, stride_f, n_swa,
+                W: tl.constexpr):
+    q = tl.program_id(0).to(tl.int64)
+    _swa_row(q, tl.load(req_of_row_ptr + q), tl.load(seq_ptr + q), tl.load(out_cache_loc_ptr + q),
+             indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr, full_to_swa_ptr, stride_rr,
+             stride_rl, stride_f, n_swa, W)
+
+
+@triton.jit
+def _c4_kernel(out_loc_ptr, visible_ptr, lengths_ptr, seq_ptr, out_cache_loc_ptr, T, topk,
+               BLOCK: tl.constexpr):
+    q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = q < T
+    out_loc, visible, lengths = _c4_fields(tl.load(seq_ptr + q, mask=m, other=1),
+                                           tl.load(out_cache_loc_ptr + q, mask=m, other=0), topk)
+    tl.store(out_loc_ptr + q, out_loc, mask=m)
+    tl.store(visible_ptr + q, visible, mask=m)
+    tl.store(lengths_ptr + q, lengths, mask=m)
+
+
+@triton.jit
+def _c128_kernel(out_loc_ptr, indices_ptr, lengths_ptr, page_table_ptr, seq_ptr, out_cache_loc_ptr,
+                 stride_pt, stride_pp, NP, K, BLOCK: tl.constexpr):
+    """Column block ``blk`` of row q's c128 indices; block 0 also writes the row's scalars."""
+    q = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    seq = tl.load(seq_ptr + q)
+    visible = _floor_div(seq.to(tl.int64), 128)
+    j = blk * BLOCK + tl.arange(0, BLOCK)
+    # only the visible prefix is read
+    page = tl.load(page_table_ptr + q * stride_pt + (j // 2) * stride_pp, mask=(j < visible) & (j < 2 * NP),
+                   other=0)
+    _c128_block(q, j, visible, page, indices_ptr, NP, K)
+    if blk == 0:
+        tl.store(out_loc_ptr + q, _compressed_out_loc(seq, tl.load(out_cache_loc_ptr + q), 128))
+        tl.store(lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
+
+
+@triton.jit
+def _step_metadata_kernel(
+        req_rows_ptr, seq_lens_ptr, extend_lens_ptr, out_cache_loc_ptr, req_to_token_ptr,
+        full_to_swa_ptr, req_out_ptr, seq_out_ptr, start_out_ptr, end_out_ptr, page_table_ptr,
+        swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, c4_out_loc_ptr, c4_visible_ptr,
+        c4_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
+        B, stride_rr, stride_rl, stride_f, n_swa, NP, K, topk,
+        PAGE: tl.constexpr, W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
+    """Every per-row field of a step in one launch: program (q, blk) expands row q, writes pages
+    ``[blk BLOCK, (blk + 1) BLOCK)`` of its page table and the c128 entries of those pages (from
+    the page values in registers); block 0 also writes the row's scalars and SWA window."""
+    q = tl.program_id(0)
+    blk = tl.program_id(1)
+    req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
+    q = q.to(tl.int64)
+    i = blk * BLOCK + tl.arange(0, BLOCK)
+    page = _page_block(req_to_token_ptr, req, seq, i, stride_rr, stride_rl, NP, PAGE).to(tl.int32)
+    tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
+    visible = _floor_div(seq, 128)
+    j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i
+    _c128_block(q, j, visible, page[:, None], c128_indices_ptr, NP, K)
+    if blk == 0:
+        tl.store(req_out_ptr + q, req)
+        tl.store(seq_out_ptr + q, seq)
+        tl.store(start_out_ptr + q, start)
+        tl.store(end_out_ptr + q, end)
+        loc = tl.load(out_cache_loc_ptr + q)
+        _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
+                 full_to_swa_ptr, stride_rr, stride_rl, stride_f, n_swa, W)
+        c4_out_loc, c4_visible, c4_lengths = _c4_fields(seq, loc, topk)
+        tl.store(c4_out_loc_ptr + q, c4_out_loc)
+        tl.store(c4_visible_ptr + q, c4_visible)
+        tl.store(c4_lengths_ptr + q, c4_lengths)
+        tl.store(c128_out_loc_ptr + q, _compressed_out_loc(seq, loc, 128))
+        tl.store(c128_lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
+
+
+def _block(n: int) -> int:
+    return min(triton.next_power_of_2(max(n, 1)), _MAX_BLOCK)
+
+
+def _rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """1-D per-request / per-row inputs as the kernels read them: unit stride."""
+    return tuple(t.contiguous() for t in tensors)
+
+
+def _empty_i32(device, *shape: int) -> torch.Tensor:
+    return torch.empty(*shape, dtype=_I32, device=device)
+
+
+def launch_expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                          num_tokens: int) -> tuple[torch.Tensor, ...]:
+    """``(req_of_row, seq_lens_casual, row_start, row_end)`` int32 [T = num_tokens] from the
+    per-request ``req_rows, seq_lens, extend_lens`` [B] (int32/int64)."""
+    outs = tuple(_empty_i32(req_rows.device, num_tokens) for _ in range(4))
+    if num_tokens:
+        b = req_rows.shape[0]
+        _expand_queries_kernel[(num_tokens,)](*_rows(req_rows, seq_lens, extend_lens), *outs, b,
+                                              BLOCK_B=_block(b), num_warps=4)
+    return outs
+
+
+def launch_build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
+                            seq_lens_casual: torch.Tensor) -> torch.Tensor:
+    """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after."""
+    t, n_pages = req_of_row.shape[0], req_to_token.shape[1] // PAGE_SIZE
+    out = _empty_i32(req_of_row.device, t, n_pages)
+    if t and n_pages:
+        block = _block(n_pages)
+        _page_table_kernel[(t, triton.cdiv(n_pages, block))](
+            out, req_to_token, *_rows(req_of_row, seq_lens_casual), req_to_token.stride(0), req_to_token.stride(1),
+            n_pages,
+            PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
+    return out
+
+
+def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
+                              req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor,
+                              out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(swa_indices [T, 128], swa_lengths [T], swa_out_loc [T])`` int32 (SPEC §3.3, 3.4, 3.7)."""
+    t = req_of_row.shape[0]
+    indices, lengths, out_loc = (_empty_i32(req_of_row.device, t, SWA_WINDOW),
+                                 _empty_i32(req_of_row.device, t), _empty_i32(req_of_row.device, t))
+    if t:
+        _swa_kernel[(t,)](indices, lengths, out_loc, req_to_token, full_to_swa,
+                          *_rows(req_of_row, seq_lens_casual, out_cache_loc), req_to_token.stride(0),
+                          req_to_token.stride(1), full_to_swa.stride(0), full_to_swa.shape[0],
+                          W=SWA_WINDOW, num_warps=1)
+    return indices, lengths, out_loc
+
+
+def launch_build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor,
+                             topk: int) -> tuple[torch.Tensor, ...]:
+    """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (SPEC §3.5, 3.6)."""
+    t = seq_lens_casual.shape[0]
+    outs = tuple(_empty_i32(seq_lens_casual.device, t) for _ in range(3))
+    if t:
+        block = _block(t)
+        _c4_kernel[(triton.cdiv(t, block),)](*outs, *_rows(seq_lens_casual, out_cache_loc), t, topk,
+                                             BLOCK=block, num_warps=4)
+    return outs
+
+
+def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
+                               out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(c128_out_loc [T], c128_indices [T, K], c128_lengths [T])`` int32 (SPEC §3.5)."""
+    t, n_pages = page_table.shape
+    width = triton.cdiv(2 * n_pages, INDEX_ALIGN) * INDEX_ALIGN
+    out_loc, indices, lengths = (_empty_i32(page_table.device, t), _empty_i32(page_table.device, t, width),
+                                 _empty_i32(page_table.device, t))
+    if t:
+        block = _block(width)
+        _c128_kernel[(t, max(triton.cdiv(width, block), 1))](  # block 0 writes the scalars
+            out_loc, indices, lengths, page_table, *_rows(seq_lens_casual, out_cache_loc),
+            page_table.stride(0), page_table.stride(1), n_pages, width, BLOCK=block, num_warps=4)
+    return out_loc, indices, lengths
+
+
+def launch_step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                         out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+                         full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
+    """Every output of expand_queries, build_page_table, build_swa_metadata, build_c4_metadata and
+    build_c128_metadata, in that order (14 int32 tensors), from one launch."""
+    t, n_pages = out_cache_loc.shape[0], req_to_token.shape[1] // PAGE_SIZE
+    width = triton.cdiv(2 * n_pages, INDEX_ALIGN) * INDEX_ALIGN
+    device = out_cache_loc.device
+    shapes = [(t,)] * 4 + [(t, n_pages), (t, SWA_WINDOW)] + [(t,)] * 6 + [(t, width), (t,)]
+    outs = [_empty_i32(device, *shape) for shape in shapes]
+    if t:
+        block = _block(width // 2)  # pages per program; their c128 entries are twice as many
+        b = req_rows.shape[0]
+        _step_metadata_kernel[(t, max(triton.cdiv(width // 2, block), 1))](  # block 0: row scalars
+            *_rows(req_rows, seq_lens, extend_lens, out_cache_loc), req_to_token, full_to_swa, *outs, b,
+            req_to_token.stride(0), req_to_token.stride(1), full_to_swa.stride(0), full_to_swa.shape[0],
+            n_pages, width, topk, PAGE=PAGE_SIZE, W=SWA_WINDOW, BLOCK_B=_block(b), BLOCK=block,
+            num_warps=4)
+    return tuple(outs)

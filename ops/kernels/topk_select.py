@@ -1,0 +1,237 @@
+"""Per-row top-k selection over an fp32 logits workspace, mapped to c4 slots (the second half of
+``dsv4::indexer_topk``; the logits come from ``indexer.py::_logits_kernel``).
+
+Row ``q`` has ``n = min(visible[q], capacity)`` logits ``ws[q, :n]``. Output ``out[q, :K]``:
+``slot(j) = page_table[q, j // 64] * 64 + j % 64`` for the selected ``j``, -1 padded.
+Everything is decided per row on the device:
+
+* ``n <= K``: every visible ``j`` in order (no logits read), then -1s (``_finish_kernel``).
+* ``n > K``, three passes (a bucket select, then an exact radix select on the bucket):
+  1. ``_bucket_hist_kernel`` (grid ``[T, S2]``, each program one contiguous chunk of the row):
+     256-bin histogram of ``bucket(x) = floor((x - lo) * 256 / (hi - lo))`` (monotone in ``x``;
+     ``lo`` / ``hi`` = the row's min / max recorded by the logits scan), bins stored highest first.
+  2. ``_bucket_emit_kernel`` (same grid): from the summed histograms, the bucket ``b*`` holding the
+     K-th largest logit, the count ``above`` of logits in higher buckets, and this chunk's write
+     offsets (prefix over earlier chunks). Emits the slots of logits in higher buckets to
+     ``out[q, :above]`` and compacts the indices ``j`` in bucket ``b*`` to ``cand[q, :]``
+     (one packed ``cumsum`` gives both positions).
+  3. ``_finish_kernel`` (grid ``[T]``): exact radix select of the ``K - above`` largest among the
+     candidates: four 8-bit histogram passes over the order-preserving int32 key of the float
+     (``bits ^ ((bits >> 31) & 0x7fffffff)``) find the threshold key; emit keys above it and the
+     first ties up to K into ``out[q, above:K]``.
+  The candidate bucket is small for smooth logit distributions (about n / 256 times the density at
+  the threshold); ties or outliers only make step 3 longer, never wrong. Total work O(n) per row,
+  spread over ``S2`` programs for the two full passes.
+
+Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
+S2 = select splits, NB = 256 buckets.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout
+
+_NB = 256
+_BLOCK = 1024  # logits per select iteration (< 2**16: packed cumsum)
+_SELECT_PROGRAMS = 256
+_MAX_SELECT_SPLITS = 64
+
+
+@triton.jit
+def _row_range(mm_ptr, r, num_splits, S_P2: tl.constexpr, NB: tl.constexpr):
+    """(lo, scale) of the row's buckets: ``bucket(x) = (x - lo) * scale``, scale 0 for flat rows."""
+    s = tl.arange(0, S_P2)
+    base = mm_ptr + (r * num_splits + s).to(tl.int64) * 2
+    lo = tl.min(tl.load(base, mask=s < num_splits, other=float("inf")), axis=0)
+    hi = tl.max(tl.load(base + 1, mask=s < num_splits, other=float("-inf")), axis=0)
+    return lo, tl.where(hi > lo, NB / tl.where(hi > lo, hi - lo, 1.0), 0.0)
+
+
+@triton.jit
+def _rev_bucket(x, lo, scale, NB: tl.constexpr):
+    """Bucket index counted from the top (0 = largest logits)."""
+    b = ((x - lo) * scale).to(tl.int32)
+    return NB - 1 - tl.minimum(tl.maximum(b, 0), NB - 1)
+
+
+@triton.jit
+def _chunk(n, split, num_sel, BLOCK: tl.constexpr):
+    size = tl.cdiv(tl.cdiv(n, num_sel), BLOCK) * BLOCK
+    start = split * size
+    return start, tl.minimum(start + size, n)
+
+
+@triton.jit
+def _threshold_bin(hist, need, NB: tl.constexpr):
+    """Index ``i`` of the bin holding the ``need``-th element (bins ordered highest first) and the
+    count of elements in bins before it."""
+    cum = tl.cumsum(hist, 0)
+    i = tl.sum((cum < need).to(tl.int32), 0)
+    return i, tl.sum(tl.where(tl.arange(0, NB) < i, hist, 0), 0)
+
+
+@triton.jit
+def _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB: tl.constexpr):
+    """Threshold bucket ``b*`` of row ``r`` (from all splits' histograms) and the counts of logits
+    above it / in it within the splits before ``split`` (= the chunk's write offsets)."""
+    base = hist_ptr + (r * num_sel).to(tl.int64) * NB
+    bins = tl.arange(0, NB)
+    total = tl.zeros([NB], dtype=tl.int32)
+    for s in range(0, num_sel):
+        total += tl.load(base + s * NB + bins)
+    b_star, _ = _threshold_bin(total, topk, NB)
+    before = tl.zeros([NB], dtype=tl.int32)
+    for s in range(0, split):
+        before += tl.load(base + s * NB + bins)
+    above = tl.sum(tl.where(bins < b_star, before, 0), 0)
+    return b_star, above, tl.sum(tl.where(bins == b_star, before, 0), 0)
+
+
+@triton.jit
+def _slot(pt_row, j, mask, PAGE: tl.constexpr):
+    page = tl.load(pt_row + j // PAGE, mask=mask, other=0)
+    return (page * PAGE + j % PAGE).to(tl.int32)
+
+
+@triton.jit
+def _bucket_hist_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk, num_splits, num_sel,
+                        stride_ws, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row0 + r).to(tl.int32), 0), capacity)
+    if n > topk:
+        lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
+        start, end = _chunk(n, split, num_sel, BLOCK)
+        hist = tl.zeros([NB], dtype=tl.int32)
+        for j0 in range(start, end, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            x = tl.load(ws_ptr + r.to(tl.int64) * stride_ws + j, mask=j < end, other=0.0)
+            hist += tl.histogram(_rev_bucket(x, lo, scale, NB), NB, mask=j < end)
+        tl.store(hist_ptr + (r * num_sel + split).to(tl.int64) * NB + tl.arange(0, NB), hist)
+
+
+@triton.jit
+def _bucket_emit_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity,
+                        topk, num_splits, num_sel, stride_ws, stride_pt, stride_out,
+                        S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    r = tl.program_id(0)
+    split = tl.program_id(1)
+    row = (row0 + r).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
+    if n > topk:
+        lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
+        b_star, off_above, off_cand = _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB)
+        start, end = _chunk(n, split, num_sel, BLOCK)
+        ws_row = ws_ptr + r.to(tl.int64) * stride_ws
+        for j0 in range(start, end, BLOCK):
+            j = j0 + tl.arange(0, BLOCK)
+            rb = _rev_bucket(tl.load(ws_row + j, mask=j < end, other=0.0), lo, scale, NB)
+            is_above = (j < end) & (rb < b_star)
+            is_cand = (j < end) & (rb == b_star)
+            pos = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), 0)  # inclusive, packed
+            slot = _slot(pt_ptr + row * stride_pt, j, is_above, PAGE)
+            tl.store(out_ptr + row * stride_out + off_above + (pos & 0xFFFF) - 1, slot, mask=is_above)
+            tl.store(cand_ptr + r.to(tl.int64) * stride_ws + off_cand + (pos >> 16) - 1, j, mask=is_cand)
+            off_above += tl.sum(is_above.to(tl.int32), 0)
+            off_cand += tl.sum(is_cand.to(tl.int32), 0)
+
+
+@triton.jit
+def _ordered_key(x):
+    """int32 key with the order of the fp32 values (for finite values and ±inf)."""
+    bits = x.to(tl.int32, bitcast=True)
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, topk, num_sel,
+                   stride_ws, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
+                   PAGE: tl.constexpr):
+    r = tl.program_id(0)
+    row = (row0 + r).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
+    pt_row = pt_ptr + row * stride_pt
+    out_row = out_ptr + row * stride_out
+    filled = 0
+    if n <= topk:  # every visible entry, in order, unscored
+        filled = n
+    else:
+        b_star, above, num_cand = _bucket_offsets(hist_ptr, r, num_sel, num_sel, topk, NB)
+        need = topk - above
+        cand_row = cand_ptr + r.to(tl.int64) * stride_ws
+        ws_row = ws_ptr + r.to(tl.int64) * stride_ws
+        prefix = 0
+        for level in tl.static_range(4):  # 8 bits of the key per level, most significant first
+            shift = 24 - 8 * level
+            hist = tl.zeros([NB], dtype=tl.int32)
+            for c0 in range(0, num_cand, BLOCK):
+                c = c0 + tl.arange(0, BLOCK)
+                key = _ordered_key(tl.load(ws_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
+                if level == 0:
+                    digit = (key >> 24) + 128  # signed top byte -> [0, 256)
+                    match = c < num_cand
+                else:
+                    digit = (key >> shift) & 0xFF
+                    match = (c < num_cand) & ((key >> (shift + 8)) == prefix)
+                hist += tl.histogram(NB - 1 - digit, NB, mask=match)
+            i, skipped = _threshold_bin(hist, need, NB)
+            need -= skipped
+            prefix = prefix * NB + (NB - 1 - i) - (128 if level == 0 else 0)
+        # prefix is now the threshold key; take keys above it and the first `need` equal ones
+        filled = above
+        ties = 0
+        for c0 in range(0, num_cand, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            j = tl.load(cand_row + c, mask=c < num_cand, other=0)
+            key = _ordered_key(tl.load(ws_row + j))
+            eq = (c < num_cand) & (key == prefix)
+            take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+            pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
+            tl.store(out_row + pos, _slot(pt_row, j, take, PAGE), mask=take)
+            filled += tl.sum(take.to(tl.int32), 0)
+            ties += tl.sum(eq.to(tl.int32), 0)
+    for c0 in range(0, topk, BLOCK):  # n <= K: slots of j < n; always: -1 after the last selected
+        c = c0 + tl.arange(0, BLOCK)
+        if n <= topk:
+            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, PAGE), -1), mask=c < topk)
+        else:
+            tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
+
+
+def launch_topk_select(ws: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
+                       visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
+                       rows: int) -> None:
+    """Fill ``out[row0 : row0 + rows]`` from the logits ``ws [>= rows, capacity] fp32``.
+
+    minmax: [>= rows, S, 2] fp32 per-split min / max of the scan; page_table: [T, NP] int32/int64
+    (contiguous); visible: [T]; out: [T, topk] int32. ``ws`` / ``minmax`` may be None when
+    ``capacity <= topk`` (no row is ever scored).
+    """
+    if rows == 0:
+        return
+    page = layout.INDEX_PAGE_SIZE
+    if ws is None:  # only the n <= K branch can run: placeholders for the unused buffers
+        ws = torch.empty(1, 1, dtype=torch.float32, device=out.device)
+        cand, hist = ws.view(torch.int32), torch.empty(1, 1, _NB, dtype=torch.int32, device=out.device)
+        _finish_kernel[(rows,)](ws, visible, hist, page_table, out, cand, row0, capacity, topk, 1,
+                                ws.stride(0), page_table.stride(0), out.stride(0), NB=_NB, BLOCK=_BLOCK,
+                                PAGE=page, num_warps=4)
+        return
+    num_splits = minmax.shape[1]
+    num_sel = max(1, min(triton.cdiv(capacity, _BLOCK), triton.cdiv(_SELECT_PROGRAMS, rows),
+                         _MAX_SELECT_SPLITS))
+    hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=ws.device)
+    cand = torch.empty(ws.shape, dtype=torch.int32, device=ws.device)  # indexed with ws's row stride
+    s_p2 = triton.next_power_of_2(num_splits)
+    common = dict(NB=_NB, BLOCK=_BLOCK, num_warps=4)
+    _bucket_hist_kernel[(rows, num_sel)](ws, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
+                                         ws.stride(0), S_P2=s_p2, **common)
+    _bucket_emit_kernel[(rows, num_sel)](ws, minmax, visible, hist, page_table, out, cand, row0, capacity,
+                                         topk, num_splits, num_sel, ws.stride(0), page_table.stride(0),
+                                         out.stride(0), S_P2=s_p2, PAGE=page, **common)
+    _finish_kernel[(rows,)](ws, visible, hist, page_table, out, cand, row0, capacity, topk, num_sel,
+                            ws.stride(0), page_table.stride(0), out.stride(0), PAGE=page, **common)

@@ -1,0 +1,67 @@
+"""``compress_kv`` kernel (``ops/kernels/compressor.py``) vs the reference, small shapes.
+
+Checks, for c4 (d = 128 with and without the Hadamard, d = 512) and c128 (d = 512):
+* outputs of the rows that complete a window, three-way against an fp64 golden without the bf16
+  rounding points (STYLE habit 11): kernel error <= 2 x the reference's error + a floor;
+* the other rows' outputs are finite (they are never stored);
+* the state ring after the call equals the reference's exactly (the dummy request 0 excluded:
+  all padding rows write its ring row 0, in no specified order);
+* decode with padding rows and the first window (slots before position 0), verify (several rows
+  of a request in one step), prefills longer than the ring (a row writes a ring row that another
+  row of the same step still reads: the ring must be read before it is written), and a sequence
+  of steps carrying the state.
+"""
+
+import pytest
+import torch
+
+from dsv4_compile.ops.kernels.compressor import launch_compress_kv
+from dsv4_compile.testing import compress_index as inputs
+
+# (ratio, d, rotate, scenario); c128's long prefill (> 128 rows) is left to the GPU test
+CASES = [(4, 128, True, "decode"), (4, 128, True, "verify"), (4, 128, True, "long_prefill"),
+         (4, 128, False, "decode"), (4, 512, False, "decode"), (4, 512, False, "long_prefill"),
+         (128, 512, False, "decode"), (128, 512, False, "verify")]
+# (seq_lens, extend_lens, num_tokens) per scenario and ratio; ring 16 (c4) / 128 (c128)
+SCENARIOS = {
+    4: {"decode": ([4, 8, 13, 16, 33], [1] * 5, 7),  # p = 3: the first window (slots 0..3 empty)
+        "verify": ([7, 12, 20], [4, 4, 4], 12),
+        "long_prefill": ([24, 40], [24, 20], 45)},  # 24 and 20 > ring 16
+    128: {"decode": ([128, 256, 300, 384], [1] * 4, 5),
+          "verify": ([129, 258], [3, 4], 8)},
+}
+
+
+@pytest.mark.parametrize("ratio,d,rotate,scenario", CASES)
+def test_compress_kv_matches_reference(device, ratio, d, rotate, scenario):
+    seq, ext, num_tokens = SCENARIOS[ratio][scenario]
+    gen = torch.Generator(device=device).manual_seed(ratio + d + len(scenario))
+    args = inputs.compressor_args(ratio, d, seq, ext, gen, num_tokens=num_tokens, rotate=rotate,
+                                  ring=16 if ratio == 4 else 128)
+    assert (args["seq_lens_casual"] % ratio == 0).any()
+    inputs.check_compress_kv(launch_compress_kv, args)
+
+
+# (seq_lens, extend_lens) per step: the ring written by one step feeds the windows of the next
+STEPS = {
+    4: [([14, 5], [14, 5]),  # prefill from 0, longer than a window
+        ([15, 8], [1, 3]),  # decode / chunk completing windows
+        ([16, 9], [1, 1]),
+        ([19, 12], [3, 3])],  # verify-sized steps
+    128: [([255, 130], [5, 2]),  # tokens 250..254 / 128..129 written to the ring
+          ([256, 131], [1, 1]),  # window 128..255 reads 128..254 from the ring
+          ([259, 132], [3, 1])],
+}
+
+
+@pytest.mark.parametrize("ratio,d", [(4, 128), (128, 512)])
+def test_compress_kv_steps_carry_state(device, ratio, d):
+    """A sequence of steps: the kernel's ring after each equals the reference's."""
+    gen = torch.Generator(device=device).manual_seed(ratio)
+    state = None
+    for seq, ext in STEPS[ratio]:
+        args = inputs.compressor_args(ratio, d, seq, ext, gen, num_tokens=sum(ext) + 1)
+        if state is not None:
+            args["state"] = state
+        state = inputs.check_compress_kv(launch_compress_kv, args)
+

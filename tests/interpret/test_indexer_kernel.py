@@ -1,0 +1,140 @@
+"""Indexer kernels (``ops/kernels/indexer.py``, ``ops/kernels/topk_select.py``) vs the reference.
+
+``indexer_prepare_q``: fp8 codes within one e4m3 ulp of the reference's (>= 99% identical; the
+Hadamard sums in another order) and head weights within a few fp32 ulps, for bf16 / fp32 and
+strided inputs.
+
+``indexer_topk`` (STYLE habit 12): invariants on every row (int32, -1 padding as a suffix, no
+duplicates, only visible entries, exactly ``min(visible, K)`` selected); rows with
+``visible <= K`` equal the reference exactly (all visible entries, in order); other rows have an
+fp64 boundary regret within the reference's + a reduction budget, and the exact top-k set where
+the fp64 margin at the K-th logit exceeds that budget. Extra inputs: logits ordered by distinct
+scales (exact sets), all-equal and few-valued logits (ties), several select splits, several
+workspace chunks, a capacity below K, int64 index tensors.
+"""
+
+import pytest
+import torch
+
+from dsv4_compile import layout
+from dsv4_compile.ops.kernels import indexer as K
+from dsv4_compile.ops.kernels import topk_select
+from dsv4_compile.reference import indexer as ref
+from dsv4_compile.reference.quant import index_page_views
+from dsv4_compile.rope import layer_inv_freq
+from dsv4_compile.testing import compress_index as inputs
+
+E4M3_MANTISSA_BITS = 3
+
+
+@pytest.fixture(autouse=True)
+def _small_grids(monkeypatch):
+    """Toy-sized programs so that several scan splits, select splits and select blocks per row
+    occur at toy capacities (and the interpreter, which pays per program, stays fast)."""
+    monkeypatch.setattr(K, "_SCAN_PROGRAMS", 16)
+    monkeypatch.setattr(topk_select, "_SELECT_PROGRAMS", 16)
+    monkeypatch.setattr(topk_select, "_BLOCK", 128)
+
+
+def _gen(device, seed=0):
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def _e4m3_ulp(x: torch.Tensor) -> torch.Tensor:
+    exp = torch.floor(torch.log2(x.abs().clamp_min(2.0 ** -6)))
+    return torch.exp2(exp - E4M3_MANTISSA_BITS)
+
+
+# -- prepare_q ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_heads", [8, 20])
+def test_prepare_q_matches_reference(device, dtype, num_heads):
+    gen = _gen(device, num_heads)
+    rows = 5
+    q, w = inputs.indexer_q(rows, num_heads + 3, gen, dtype)
+    q, w = q[:, 1:num_heads + 1], w[:, 2:num_heads + 2]  # strided views
+    positions = torch.tensor([0, 7, 100, 5000, (1 << 20) - 1], dtype=torch.int32, device=device)
+    inv_freq = layer_inv_freq(inputs.CONFIG, 4).to(device)
+    scale = inputs.CONFIG.index_weight_scale
+    q_fp8, w_out = K.launch_indexer_prepare_q(q, w, positions, inv_freq, scale)
+    q_ref, w_ref = ref.indexer_prepare_q(q, w, positions, inv_freq, scale)
+    assert q_fp8.dtype == torch.float8_e4m3fn and w_out.dtype == torch.float32
+    got, want = q_fp8.float(), q_ref.float()
+    assert torch.all((got - want).abs() <= _e4m3_ulp(want)), "fp8 codes differ by more than one ulp"
+    assert (q_fp8.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() >= 0.99
+    torch.testing.assert_close(w_out, w_ref, rtol=2 ** -16, atol=0)  # sigma: amax of a 128-term sum
+
+
+# -- topk --------------------------------------------------------------------------------------
+def _check_topk(args, got):
+    """``check_topk`` with the fp32-accumulation budget here, fp8-MMA budget on the GPU."""
+    return inputs.check_topk(args, got, budget_rel=2.0 ** -10 if got.is_cuda else 2.0 ** -16)
+
+
+@pytest.mark.parametrize("topk,num_heads", [(64, 8), (128, 64)])
+def test_topk_matches_reference(device, topk, num_heads):
+    num_pages = 12  # capacity 768: two scan splits, up to six select splits of 128 per row
+    cap = num_pages * layout.INDEX_PAGE_SIZE
+    visible = [0, 1, topk - 1, topk, topk + 1, 3 * topk + 5, cap][::1 if num_heads < 64 else 2]
+    args = inputs.indexer_topk_args(visible, num_heads, num_pages, topk, _gen(device, topk))
+    exact_rows = _check_topk(args, K.launch_indexer_topk(**args))
+    assert exact_rows >= 1 or device == "cuda"  # the fp32 budget leaves room for exact-set rows
+
+
+def _identical_keys(args):
+    """Every entry gets the fp8 codes of entry 0 (scales untouched): logits = scale * C."""
+    vals, _ = index_page_views(args["index_cache"])
+    vals.copy_(vals[0, 0].clone().expand_as(vals))
+
+
+def test_topk_logits_ordered_by_distinct_scales(device):
+    """Identical keys, distinct scales: the exact top-k set is the largest (or smallest) scales."""
+    topk, num_pages = 64, 12
+    gen = _gen(device, 1)
+    args = inputs.indexer_topk_args([300, 700, 768], 8, num_pages, topk, gen)
+    _identical_keys(args)
+    _, scales = index_page_views(args["index_cache"])
+    perm = torch.randperm(scales.numel(), generator=gen, device=device)
+    scales.copy_((1 + perm.float() / scales.numel()).view_as(scales))  # distinct, within [1, 2)
+    got = K.launch_indexer_topk(**args)
+    _check_topk(args, got)
+    want = ref.indexer_topk(**args)
+    for r in range(3):  # the margin (1 / pool entries, relative) is below the GPU budget: assert here
+        assert set(got[r].tolist()) == set(want[r].tolist())
+
+
+@pytest.mark.parametrize("num_values", [1, 3])
+def test_topk_ties(device, num_values):
+    """All logits equal (a flat row) or only a few distinct values: ties at the threshold."""
+    topk, num_pages = 64, 4
+    gen = _gen(device, num_values)
+    args = inputs.indexer_topk_args([256, 200, 64], 8, num_pages, topk, gen)
+    _identical_keys(args)
+    _, scales = index_page_views(args["index_cache"])
+    choice = torch.randint(0, num_values, scales.shape, generator=gen, device=device)
+    scales.copy_(1 + choice.float())
+    _check_topk(args, K.launch_indexer_topk(**args))
+
+
+def test_topk_workspace_chunks(device, monkeypatch):
+    """Rows processed in several workspace chunks give the same selection."""
+    topk, num_pages = 64, 4
+    args = inputs.indexer_topk_args([256, 100, 255, 130, 3], 8, num_pages, topk, _gen(device, 2))
+    whole = K.launch_indexer_topk(**args)
+    monkeypatch.setattr(K, "_WORKSPACE_ELEMS", 2 * num_pages * layout.INDEX_PAGE_SIZE)
+    assert torch.equal(K.launch_indexer_topk(**args), whole)
+    _check_topk(args, whole)
+
+
+def test_topk_capacity_below_k(device):
+    """Page tables narrower than K: every row takes all its visible entries."""
+    args = inputs.indexer_topk_args([0, 5, 64, 128], 8, 2, 192, _gen(device, 3))
+    _check_topk(args, K.launch_indexer_topk(**args))
+
+
+def test_topk_int64_index_tensors(device):
+    args = inputs.indexer_topk_args([70, 200, 10], 8, 4, 64, _gen(device, 4))
+    args64 = dict(args, page_table=args["page_table"].long(), visible=args["visible"].long())
+    got = K.launch_indexer_topk(**args64)
+    assert torch.equal(got, K.launch_indexer_topk(**args))
+    _check_topk(args, got)
