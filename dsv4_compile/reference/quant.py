@@ -24,6 +24,12 @@ from ..config import INDEX_HEAD_DIM, NOPE_DIM
 _FP8 = torch.float8_e4m3fn
 
 
+def div_fp8_max(x: torch.Tensor) -> torch.Tensor:
+    """``x / 448`` as a true IEEE division on every device (CUDA turns a division by a Python
+    scalar into a multiplication by its rounded reciprocal, which differs in the last bit)."""
+    return x / torch.full_like(x, L.FP8_MAX)
+
+
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
     """Exact ``ceil(log2(x))`` for positive normal fp32 ``x``, from the float's bits (int32)."""
     bits = x.float().view(torch.int32)
@@ -40,7 +46,7 @@ def quantize_model1(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n = k.shape[0]
     nope = k[:, :NOPE_DIM].float().reshape(n, L.NUM_TILES, L.FP8_TILE)  # [N, 7, 64]
     amax = nope.abs().amax(dim=-1).clamp_min(L.MODEL1_SCALE_EPS)  # [N, 7]
-    exponent = ceil_log2(amax / L.FP8_MAX)  # [N, 7] int32
+    exponent = ceil_log2(div_fp8_max(amax))  # [N, 7] int32
     inv_scale = torch.exp2(-exponent.float()).unsqueeze(-1)  # exact power of two
     fp8 = (nope * inv_scale).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8).reshape(n, NOPE_DIM)
     rope = k[:, NOPE_DIM:].to(torch.bfloat16).contiguous()
@@ -77,7 +83,7 @@ def model1_page_views(cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor
 def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer key pack: ``k [N, 128] -> (fp8 bytes [N, 128] uint8, scale [N] fp32)``."""
     v = k.float()
-    sigma = v.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS) / L.FP8_MAX  # [N]
+    sigma = div_fp8_max(v.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS))  # [N]
     fp8 = (v / sigma.unsqueeze(1)).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8)
     return fp8.view(torch.uint8), sigma
 
@@ -107,6 +113,6 @@ def quantize_q_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
     q: [T, H, 128] fp32. Returns ``q_fp8 [T, H, 128] float8_e4m3fn`` and ``sigma [T, H] fp32``.
     """
-    sigma = q.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS) / L.FP8_MAX
+    sigma = div_fp8_max(q.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS))
     q_fp8 = (q / sigma.unsqueeze(-1)).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8)
     return q_fp8, sigma
