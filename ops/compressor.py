@@ -12,7 +12,10 @@ import torch
 
 from ..reference import compressor as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
-from .kernels import compressor as kernels
+from ._cuda import HAS_TRITON, cuda_kernel
+
+if HAS_TRITON:
+    from .kernels import compressor as kernels
 
 _F32 = (torch.float32,)
 
@@ -53,7 +56,7 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
                            norm_weight, inv_freq, ratio, ring, rotate, eps)
 
 
-@compress_kv.register_kernel("cuda")
+@cuda_kernel(compress_kv)
 def _(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight, inv_freq,
       ratio, ring, rotate, eps):
     _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,

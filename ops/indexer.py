@@ -13,7 +13,10 @@ from .. import layout
 from ..config import INDEX_HEAD_DIM
 from ..reference import indexer as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
-from .kernels import indexer as kernels
+from ._cuda import HAS_TRITON, cuda_kernel
+
+if HAS_TRITON:
+    from .kernels import indexer as kernels
 
 _FP8 = torch.float8_e4m3fn
 
@@ -38,7 +41,7 @@ def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.T
     return ref.indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
 
 
-@indexer_prepare_q.register_kernel("cuda")
+@cuda_kernel(indexer_prepare_q)
 def _(q, weights, positions, inv_freq, weight_scale):
     _check_prepare(q, weights, positions, inv_freq)
     return kernels.launch_indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
@@ -72,7 +75,7 @@ def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor
     return ref.indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)
 
 
-@indexer_topk.register_kernel("cuda")
+@cuda_kernel(indexer_topk)
 def _(q_fp8, w, index_cache, page_table, visible, topk):
     _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
     return kernels.launch_indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)

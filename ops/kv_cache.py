@@ -13,7 +13,10 @@ from .. import layout
 from ..config import HEAD_DIM, INDEX_HEAD_DIM
 from ..reference import kv_store as ref
 from ._checks import SLOT_DTYPES, check_same_rows, check_tensor
-from .kernels import kv_cache as kernels
+from ._cuda import HAS_TRITON, cuda_kernel
+
+if HAS_TRITON:
+    from .kernels import kv_cache as kernels
 
 
 def check_model1_cache(op: str, name: str, cache: torch.Tensor, page_size: int) -> None:
@@ -39,7 +42,7 @@ def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_siz
     ref.store_model1(cache, slots, k, page_size)
 
 
-@store_kv.register_kernel("cuda")
+@cuda_kernel(store_kv)
 def _(cache, slots, k, page_size) -> None:
     _check_store_kv(cache, slots, k, page_size)
     kernels.launch_store_kv(cache, slots, k, page_size)
@@ -62,7 +65,7 @@ def dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torc
     return ref.gather_model1(cache, slots, page_size).to(torch.bfloat16)
 
 
-@dequant_kv.register_kernel("cuda")
+@cuda_kernel(dequant_kv)
 def _(cache, slots, page_size):
     _check_dequant_kv(cache, slots, page_size)
     return kernels.launch_dequant_kv(cache, slots, page_size)
@@ -91,7 +94,7 @@ def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, pag
     ref.store_index_k(cache, slots, k, page_size)
 
 
-@store_index_k.register_kernel("cuda")
+@cuda_kernel(store_index_k)
 def _(cache, slots, k, page_size) -> None:
     _check_store_index_k(cache, slots, k, page_size)
     kernels.launch_store_index_k(cache, slots, k, page_size)

@@ -14,7 +14,10 @@ import torch
 from ..config import INDEX_ALIGN, PAGE_SIZE, SWA_WINDOW
 from ..reference import metadata as ref
 from ._checks import INDEX_DTYPES, check_multiple_of, check_same_rows, check_tensor
-from .kernels import metadata as kernels
+from ._cuda import HAS_TRITON, cuda_kernel
+
+if HAS_TRITON:
+    from .kernels import metadata as kernels
 
 _I32 = torch.int32
 
@@ -46,7 +49,7 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     return ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
 
 
-@expand_queries.register_kernel("cuda")
+@cuda_kernel(expand_queries)
 def _(req_rows, seq_lens, extend_lens, out_cache_loc):
     _check_expand(req_rows, seq_lens, extend_lens, out_cache_loc)
     return kernels.launch_expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
@@ -73,7 +76,7 @@ def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
     return ref.build_page_table(req_to_token, req_of_row, seq_lens_casual)
 
 
-@build_page_table.register_kernel("cuda")
+@cuda_kernel(build_page_table)
 def _(req_to_token, req_of_row, seq_lens_casual):
     _check_page_table(req_to_token, req_of_row, seq_lens_casual)
     return kernels.launch_build_page_table(req_to_token, req_of_row, seq_lens_casual)
@@ -103,7 +106,7 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
     return ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
 
 
-@build_swa_metadata.register_kernel("cuda")
+@cuda_kernel(build_swa_metadata)
 def _(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc):
     _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
     return kernels.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_casual,
@@ -134,7 +137,7 @@ def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
     return ref.build_c4_metadata(seq_lens_casual, out_cache_loc, topk)
 
 
-@build_c4_metadata.register_kernel("cuda")
+@cuda_kernel(build_c4_metadata)
 def _(seq_lens_casual, out_cache_loc, topk):
     _check_c4(seq_lens_casual, out_cache_loc, topk)
     return kernels.launch_build_c4_metadata(seq_lens_casual, out_cache_loc, topk)
@@ -161,7 +164,7 @@ def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
     return ref.build_c128_metadata(page_table, seq_lens_casual, out_cache_loc)
 
 
-@build_c128_metadata.register_kernel("cuda")
+@cuda_kernel(build_c128_metadata)
 def _(page_table, seq_lens_casual, out_cache_loc):
     _check_c128(page_table, seq_lens_casual, out_cache_loc)
     return kernels.launch_build_c128_metadata(page_table, seq_lens_casual, out_cache_loc)
@@ -206,7 +209,7 @@ def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: t
             *ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
 
 
-@step_metadata.register_kernel("cuda")
+@cuda_kernel(step_metadata)
 def _(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk):
     _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk)
     return kernels.launch_step_metadata(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token,

@@ -1,11 +1,17 @@
 """``dsv4::sparse_attn``: sparse MQA over SWA + extra (c4 / c128) entries of FP8 MODEL1 caches,
 with a per-head attention sink (SPEC §4.4). A fixed public contract (name and argument order).
 
+Kernels: the reference on every device; on CUDA the fused Triton kernel
+(``kernels/sparse_attn.py``), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` is set (read per call).
+``dsv4::sparse_attn_flashmla`` (same signature, CUDA only) always calls FlashMLA; it needs the
+optional ``flash_mla`` module (pip ``sgl-flash-mla``), imported on first use.
+
 Shape legend: T = query rows, H = heads, K1 / K2 = index widths (multiples of 64).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -13,7 +19,14 @@ import torch
 from ..config import HEAD_DIM, INDEX_ALIGN
 from ..reference import sparse_attn as ref
 from ._checks import INDEX_DTYPES, check_multiple_of, check_same_rows, check_tensor
+from ._cuda import HAS_TRITON, cuda_kernel
+from .kernels import flashmla
 from .kv_cache import check_model1_cache
+
+if HAS_TRITON:
+    from .kernels import sparse_attn as kernels
+
+IMPL_ENV = "DSV4_ATTN_IMPL"  # "flashmla" routes the CUDA kernel of dsv4::sparse_attn to FlashMLA
 
 
 def _check_index_set(which: str, cache, page_size, indices, lengths, rows: int) -> None:
@@ -56,4 +69,38 @@ def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_
       extra_indices, extra_lengths, attn_sink, softmax_scale):
     _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
            extra_indices, extra_lengths, attn_sink)
-    return torch.empty_like(q), q.new_empty(q.shape[:2], dtype=torch.float32)
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@cuda_kernel(sparse_attn)
+def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+      extra_indices, extra_lengths, attn_sink, softmax_scale):
+    args = (q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+            extra_indices, extra_lengths, attn_sink, softmax_scale)
+    _check(*args[:-1])
+    if os.environ.get(IMPL_ENV) == "flashmla":
+        return flashmla.flashmla_sparse_attn(*args)
+    return kernels.launch_sparse_attn(*args)
+
+
+@torch.library.custom_op("dsv4::sparse_attn_flashmla", mutates_args=(), device_types="cuda")
+def sparse_attn_flashmla(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
+                         swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
+                         extra_cache: Optional[torch.Tensor], extra_page_size: int,
+                         extra_indices: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor],
+                         attn_sink: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4::sparse_attn`` computed by FlashMLA (H <= 128); same outputs and semantics."""
+    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+           extra_indices, extra_lengths, attn_sink)
+    return flashmla.flashmla_sparse_attn(q, swa_cache, swa_page_size, swa_indices, swa_lengths,
+                                         extra_cache, extra_page_size, extra_indices, extra_lengths,
+                                         attn_sink, softmax_scale)
+
+
+@sparse_attn_flashmla.register_fake
+def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+      extra_indices, extra_lengths, attn_sink, softmax_scale):
+    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+           extra_indices, extra_lengths, attn_sink)
+    flashmla.padded_heads(q.shape[1])  # H > 128 fails at trace time too
+    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)

@@ -172,8 +172,8 @@ def golden_sparse_attn(inp: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _worst(err: torch.Tensor) -> str:
-    flat = int(err.argmax())
-    return f"max {err.max().item():.3e} at {tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), err.shape))}"
+    where = torch.unravel_index(err.argmax(), err.shape)
+    return f"max {err.max().item():.3e} at {tuple(int(i) for i in where)}"
 
 
 def assert_attn_close(got: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch.Tensor, torch.Tensor],
@@ -181,7 +181,7 @@ def assert_attn_close(got: tuple[torch.Tensor, torch.Tensor], eager: tuple[torch
     """Kernel vs eager, both against the fp64 golden: ``err_kernel <= 2 * err_eager + floor`` on
     max and mean, for out and lse separately; infinite / NaN lse positions must match exactly."""
     (out, lse), (e_out, e_lse), (g_out, g_lse) = got, eager, golden
-    out, lse, e_out, e_lse = out.double().cpu(), lse.double().cpu(), e_out.double().cpu(), e_lse.double().cpu()
+    out, lse, e_out, e_lse = (t.double().cpu() for t in (out, lse, e_out, e_lse))
     g_out, g_lse = g_out.cpu(), g_lse.cpu()
     assert not out.isnan().any() and not lse.isnan().any(), f"{what}: NaN in the output"
     assert torch.equal(lse.isinf(), g_lse.isinf()) and torch.equal(lse[lse.isinf()], g_lse[g_lse.isinf()]), \

@@ -1,0 +1,211 @@
+"""Benchmark ``dsv4::sparse_attn``: the fused Triton kernel vs FlashMLA vs the torch reference.
+
+Usage:
+    python benchmarks/bench_sparse_attn.py [--out results.json] [--cases c4_flash_b1,c4_pro_b128]
+        [--reps 10] [--iters 50] [--reference-max-row-keys 131072] [--sweep] [--no-flashmla]
+        [--kernel-info]
+
+Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
+``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times, each replay timed with CUDA events;
+the median per call is reported (warm L2: the same inputs every call). FlashMLA is timed as the raw
+``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata
+(the GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included).
+The reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also
+times the Triton kernel over block sizes, pipeline stages and split counts; ``--kernel-info``
+prints registers, spills and shared memory of every compiled Triton variant at the end.
+
+Columns: µs per call; TFLOPS-equivalent, ``flops()``; GB/s, ``bytes()``; ratio = FlashMLA µs / µs
+(> 1: faster than FlashMLA). Inputs are full-length rows (no holes), every row with its own
+entries scattered over the pools, except prefill rows, which share one request's pools.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+
+import torch
+
+import dsv4_compile  # noqa: F401  (registers the dsv4:: ops)
+from dsv4_compile import layout
+from dsv4_compile.config import HEAD_DIM
+from dsv4_compile.ops.kernels import flashmla
+from dsv4_compile.ops.kernels import sparse_attn as K
+from dsv4_compile.reference import sparse_attn as ref
+from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: int
+    heads: int
+    extra: str | None
+    extra_width: int
+    swa_capacity: int | None = None  # None: distinct entries per row
+    extra_capacity: int | None = None
+
+
+CASES = [Case(f"c4_flash_b{b}", b, 64, "c4", 512) for b in (1, 8, 32, 128, 256)] + [
+    Case("c128_flash_128k_b64", 64, 64, "c128", 1024),
+    Case("c128_flash_1m_b64", 64, 64, "c128", 8192),
+    Case("c4_pro_b64", 64, 128, "c4", 1024),
+    Case("c4_pro_b128", 128, 128, "c4", 1024),
+    Case("c4_flash_prefill_t2048", 2048, 64, "c4", 512, swa_capacity=2048 + 128, extra_capacity=16384),
+]
+
+
+def flops(inp: AttnInputs) -> float:
+    """QK and PV, both over the full 512 dims: ``2 * 2 * H * 512`` per (row, entry); all rows
+    assumed full length (the benchmark's inputs are)."""
+    rows, heads, _ = inp.q.shape
+    return 4.0 * heads * HEAD_DIM * inp.entries_per_row() * rows
+
+
+def bytes_moved(inp: AttnInputs) -> float:
+    """Gathered cache entries (584 B each, counted once per row even when rows share entries)
+    plus q read and out written (bf16)."""
+    rows, heads, _ = inp.q.shape
+    return rows * (layout.TOKEN_BYTES * inp.entries_per_row() + 2 * 2 * heads * HEAD_DIM)
+
+
+def time_graph(fn, reps: int, iters: int) -> float:
+    """Median µs per call of ``fn`` under CUDA-graph replay (``reps`` calls per graph)."""
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / reps)
+    del graph
+    return statistics.median(times)
+
+
+def flashmla_raw(inp: AttnInputs):
+    """The raw FlashMLA call on pre-sanitised inputs with a scheduler metadata reused across calls."""
+    fm = flashmla.flash_mla_module()
+    sched = fm.get_mla_metadata()[0]
+    cap = inp.swa_cache.shape[0] * inp.swa_page_size
+    idx = torch.where(inp.swa_indices < cap, inp.swa_indices, -1).int().unsqueeze(1)
+    kw = dict(softmax_scale=inp.softmax_scale, is_fp8_kvcache=True, indices=idx, attn_sink=inp.attn_sink,
+              topk_length=inp.swa_lengths.int(), use_legacy=True, kv_format="V4")
+    if inp.extra_cache is not None:
+        kw.update(extra_k_cache=flashmla.cache_view(inp.extra_cache, inp.extra_page_size),
+                  extra_indices_in_kvcache=inp.extra_indices.int().unsqueeze(1),
+                  extra_topk_length=inp.extra_lengths.int())
+    q, cache = inp.q.unsqueeze(1), flashmla.cache_view(inp.swa_cache, inp.swa_page_size)
+    return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, HEAD_DIM, sched, None, **kw)
+
+
+SWEEP = ((32, 3), (64, 3), (32, 2))  # (keys per block, pipeline stages)
+
+
+def sweep_configs(inp: AttnInputs):
+    """(label, launcher kwargs) for --sweep: block sizes x stages, and split counts around the
+    shape-based choice."""
+    rows, heads, _ = inp.q.shape
+    head_blocks = -(-heads // 64)
+    for block_n, stages in SWEEP:
+        auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, K._num_sms(inp.q.device))
+        for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
+            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits)
+            yield f"bn{block_n}_st{stages}_s{splits}", kw
+
+
+def max_diff(got, want) -> dict:
+    """Largest |difference| of out and lse against the default Triton path (sanity, not accuracy)."""
+    return dict(out_diff=(got[0].float() - want[0].float()).abs().max().item(),
+                lse_diff=(got[1] - want[1]).abs().max().item())
+
+
+def run_case(case: Case, args) -> list[dict]:
+    inp = make_attn_inputs(case.rows, case.heads, extra=case.extra, extra_width=case.extra_width,
+                           swa_capacity=case.swa_capacity, extra_capacity=case.extra_capacity,
+                           seed=0, device="cuda")
+    base = dict(case=case.name, rows=case.rows, heads=case.heads, entries=inp.entries_per_row())
+    impls = {"triton": lambda: torch.ops.dsv4.sparse_attn(*inp.args())}
+    if args.flashmla and flashmla.available():
+        impls["flashmla"] = flashmla_raw(inp)
+        impls["flashmla_op"] = lambda: torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
+    if case.rows * inp.entries_per_row() <= args.reference_max_row_keys:
+        impls["reference"] = lambda: ref.sparse_attn(*inp.args())
+    if args.sweep:
+        for label, kw in sweep_configs(inp):
+            impls[f"triton_{label}"] = lambda kw=kw: K.launch_sparse_attn(*inp.args(), **kw)
+    want = impls["triton"]()
+    records = []
+    for impl, fn in impls.items():
+        try:
+            us = time_graph(fn, args.reps, args.iters)
+            diff = max_diff(fn(), want) if impl.startswith(("triton_", "flashmla_op")) else {}
+        except Exception as e:  # noqa: BLE001  (report and go on: one failure must not hide the rest)
+            records.append(dict(base, impl=impl, error=repr(e)[:300]))
+            continue
+        records.append(dict(base, impl=impl, us=us, tflops=flops(inp) / us * 1e-6,
+                            gbps=bytes_moved(inp) / us * 1e-3, **diff))
+    anchor = next((r["us"] for r in records if r["impl"] == "flashmla" and "us" in r), None)
+    for r in records:
+        if anchor and "us" in r:
+            r["vs_flashmla"] = anchor / r["us"]
+    del inp
+    torch.cuda.empty_cache()
+    return records
+
+
+def print_kernel_info() -> None:
+    for fn in (K._sparse_attn_fwd, K._combine):
+        for caches in fn.device_caches.values():
+            for compiled in caches[0].values():
+                meta = compiled.metadata
+                consts = getattr(getattr(compiled, "src", None), "constants", {})
+                print(f"{fn.__name__}: warps {meta.num_warps} stages {meta.num_stages} "
+                      f"regs {compiled.n_regs} spills {compiled.n_spills} smem {meta.shared} {consts}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", help="write all records as JSON here")
+    parser.add_argument("--cases", help="comma-separated case names (default: all)")
+    parser.add_argument("--reps", type=int, default=10, help="calls captured per graph")
+    parser.add_argument("--iters", type=int, default=50, help="graph replays timed")
+    parser.add_argument("--reference-max-row-keys", type=int, default=1 << 17)
+    parser.add_argument("--sweep", action="store_true", help="also time Triton tuning configs")
+    parser.add_argument("--no-flashmla", dest="flashmla", action="store_false")
+    parser.add_argument("--kernel-info", action="store_true", help="registers / spills of Triton variants")
+    args = parser.parse_args()
+    wanted = set(args.cases.split(",")) if args.cases else None
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  flash_mla: {flashmla.available()}")
+    print(f"{'case':26} {'impl':22} {'entries':>7} {'µs':>9} {'TFLOPS':>7} {'GB/s':>7} {'vs FlashMLA':>11}")
+    records = []
+    for case in CASES:
+        if wanted and case.name not in wanted:
+            continue
+        for r in run_case(case, args):
+            records.append(r)
+            if "error" in r:
+                print(f"{r['case']:26} {r['impl']:22} ERROR {r['error']}")
+                continue
+            ratio = f"{r['vs_flashmla']:.2f}x" if "vs_flashmla" in r else "-"
+            diff = f"  diff out {r['out_diff']:.2e} lse {r['lse_diff']:.2e}" if "out_diff" in r else ""
+            print(f"{r['case']:26} {r['impl']:22} {r['entries']:7d} {r['us']:9.1f} {r['tflops']:7.1f} "
+                  f"{r['gbps']:7.0f} {ratio:>11}{diff}", flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    if args.kernel_info:
+        print_kernel_info()
+
+
+if __name__ == "__main__":
+    main()

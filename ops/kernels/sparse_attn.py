@@ -1,0 +1,292 @@
+"""Fused sparse MQA with sink over FP8 MODEL1 caches (``dsv4::sparse_attn``, SPEC §4.4) — Triton.
+
+One program owns one query row, a block of up to 64 heads and one split of the row's key list. The
+row's keys are the SWA list followed by the extra (c4 / c128) list, each cut at its length; a
+split takes a contiguous range of that concatenation. Per block of ``BLOCK_N`` keys the program
+gathers the 584-byte entries by slot, dequantises them in registers (fp8 e4m3 x 2^(e-127) per
+64-wide tile, rope bf16 as is) and runs QK and PV on tensor cores against all heads of the block
+at once. K is also V (all 512 dims). The 512 dims are handled as four column groups that line up
+with the byte layout: nope [0, 256), [256, 384), [384, 448) and rope [448, 512).
+
+Softmax state is base 2 inside the kernels (``s2 = q.k * scale * log2(e)``, running max ``m2``,
+partial LSE ``lse2 = m2 + log2(l)``); the returned LSE is natural log and excludes the sink.
+With one split the main kernel finishes the row itself (sink gate, empty rows); with several it
+writes partial ``(out / l, lse2)`` and ``_combine`` merges them.
+
+Shape legend: T = query rows, H = heads, HB = heads per program (power of two, 16..64),
+S = splits, K1 / K2 = SWA / extra index widths, P1 / P2 = page sizes.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ... import layout
+from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
+# Byte layout (layout.py) and the column groups of a key: nope [0, 256), [256, 384), [384, 448),
+# rope [448, 512). Each nope group is a whole number of 64-wide scale tiles whose scale bytes lie
+# in one 4-byte word of the entry's scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
+_TILE = tl.constexpr(layout.FP8_TILE)
+_DATA_BYTES = tl.constexpr(layout.TOKEN_DATA_BYTES)
+_SCALE_BYTES = tl.constexpr(layout.TOKEN_SCALE_BYTES)
+_NOPE = tl.constexpr(NOPE_DIM)
+_ROPE = tl.constexpr(ROPE_DIM)
+_DIM = tl.constexpr(HEAD_DIM)
+_G1 = tl.constexpr(256)
+_G2 = tl.constexpr(384)
+_LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
+assert 256 == 4 * layout.FP8_TILE and 384 % layout.FP8_TILE == 0 and NOPE_DIM == 7 * layout.FP8_TILE
+assert layout.TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM and HEAD_DIM == NOPE_DIM + ROPE_DIM
+
+
+@triton.jit
+def _slots(idx_row, m, in_set, capacity, P: tl.constexpr):
+    """Slots at list positions ``m [BLOCK_N]`` -> (page int64, offset in page, valid). Invalid:
+    outside the list, negative (-1 holes) or >= capacity."""
+    slot = tl.load(idx_row + m, mask=in_set, other=-1)
+    ok = in_set & (slot >= 0) & (slot < capacity)
+    slot = tl.where(ok, slot, 0).to(tl.int32)  # < capacity < 2^31
+    return (slot // P).to(tl.int64), slot % P, ok
+
+
+@triton.jit
+def _dequant_nope(data, scale_word, valid, COL: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DTYPE: tl.constexpr):
+    """Nope columns ``[COL, COL + WIDTH)`` of ``BLOCK_N`` entries -> ``[BLOCK_N, WIDTH]`` DTYPE
+    (0 for invalid entries). data: [BLOCK_N] pointers to each entry's data bytes; scale_word:
+    [BLOCK_N] int32, the entry's scale bytes 4w..4w+3 holding these tiles (little endian)."""
+    TILES: tl.constexpr = WIDTH // _TILE
+    raw = tl.load(data[:, None] + (tl.arange(0, WIDTH) + COL)[None, :], mask=valid[:, None], other=0)
+    e = (scale_word[:, None] >> (8 * ((tl.arange(0, TILES) + COL // _TILE) % 4))[None, :]) & 0xFF
+    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
+    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    x = tl.reshape(x, (BLOCK_N, TILES, _TILE)) * scale[:, :, None]
+    return tl.reshape(x, (BLOCK_N, WIDTH)).to(DTYPE)
+
+
+@triton.jit
+def _load_q(q_rows, head_ok, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
+    """Columns ``[COL, COL + WIDTH)`` of q for the program's heads (0 for padding heads)."""
+    return tl.load(q_rows + (tl.arange(0, WIDTH) + COL)[None, :], mask=head_ok[:, None], other=0.0).to(DTYPE)
+
+
+@triton.jit
+def _store_cols(dst, x, scale, mask, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
+    """``dst[:, COL:COL + WIDTH] = x * scale[:, None]`` cast to DTYPE."""
+    tl.store(dst + (tl.arange(0, WIDTH) + COL)[None, :], (x * scale[:, None]).to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _sink_gate(sink, heads, head_ok, lse2):
+    """``1 / (1 + exp(sink - lse))`` for a base-2 ``lse2``; sink +inf -> 0, -inf -> 1."""
+    s2 = tl.load(sink + heads, mask=head_ok, other=0.0) * _LOG2E
+    return 1.0 / (1.0 + tl.exp2(s2 - lse2))
+
+
+@triton.jit
+def _sparse_attn_fwd(
+    q, stride_qt, stride_qh,
+    swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
+    ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
+    sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
+    SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, SPLIT: tl.constexpr,
+    HEAD_BLOCK: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_F32: tl.constexpr,
+):
+    """Grid ``(T * NUM_HEAD_BLOCKS, num_splits)``.
+
+    Not SPLIT (num_splits == 1): writes out [T, H, 512] bf16 and lse [T, H] fp32 (natural log,
+    no sink). Else: part_out [T, S, H, 512] fp32 (normalised by the split's own sum) and part_lse [T, S, H]
+    fp32 (base 2; -inf for a split without valid keys)."""
+    DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16  # interpreter: bf16 dots are garbage
+    row = (tl.program_id(0) // NUM_HEAD_BLOCKS).to(tl.int64)
+    heads = (tl.program_id(0) % NUM_HEAD_BLOCKS) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
+    head_ok = heads < num_heads
+    split = tl.program_id(1)
+    qk_scale = tl.cast(softmax_scale, tl.float32) * _LOG2E  # logits in base 2
+
+    q_rows = q + row * stride_qt + heads[:, None] * stride_qh
+    q0 = _load_q(q_rows, head_ok, 0, _G1, DTYPE)
+    q1 = _load_q(q_rows, head_ok, _G1, _G2 - _G1, DTYPE)
+    q2 = _load_q(q_rows, head_ok, _G2, _NOPE - _G2, DTYPE)
+    q3 = _load_q(q_rows, head_ok, _NOPE, _ROPE, DTYPE)
+
+    n_swa = tl.minimum(tl.maximum(tl.load(swa_len + row), 0), swa_width).to(tl.int32)
+    n_all = n_swa
+    if HAS_EXTRA:
+        n_all += tl.minimum(tl.maximum(tl.load(ex_len + row), 0), ex_width).to(tl.int32)
+    chunk = tl.cdiv(tl.cdiv(n_all, num_splits), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, n_all)
+
+    m2 = tl.full((HEAD_BLOCK,), float("-inf"), tl.float32)
+    l = tl.zeros((HEAD_BLOCK,), tl.float32)
+    acc0 = tl.zeros((HEAD_BLOCK, _G1), tl.float32)
+    acc1 = tl.zeros((HEAD_BLOCK, _G2 - _G1), tl.float32)
+    acc2 = tl.zeros((HEAD_BLOCK, _NOPE - _G2), tl.float32)
+    acc3 = tl.zeros((HEAD_BLOCK, _ROPE), tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        in_swa = pos < n_swa
+        page, off, valid = _slots(swa_idx + row * stride_swa_idx, pos, in_swa & (pos < hi),
+                                  swa_capacity, SWA_P)
+        base = swa_cache + page * swa_page_stride
+        data = base + off * _DATA_BYTES
+        scales = base + SWA_P * _DATA_BYTES + off * _SCALE_BYTES
+        if HAS_EXTRA:
+            ex_page, ex_off, ex_valid = _slots(ex_idx + row * stride_ex_idx, pos - n_swa,
+                                               (pos >= n_swa) & (pos < hi), ex_capacity, EX_P)
+            ex_base = ex_cache + ex_page * ex_page_stride
+            data = tl.where(in_swa, data, ex_base + ex_off * _DATA_BYTES)
+            scales = tl.where(in_swa, scales, ex_base + EX_P * _DATA_BYTES + ex_off * _SCALE_BYTES)
+            valid = valid | ex_valid
+        scale_words = scales.to(tl.pointer_type(tl.int32))  # scale bytes 0-3, 4-7
+        s_lo = tl.load(scale_words, mask=valid, other=0)
+        s_hi = tl.load(scale_words + 1, mask=valid, other=0)
+        k0 = _dequant_nope(data, s_lo, valid, 0, _G1, BLOCK_N, DTYPE)
+        k1 = _dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, BLOCK_N, DTYPE)
+        k2 = _dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, BLOCK_N, DTYPE)
+        rope = (data + _NOPE).to(tl.pointer_type(tl.bfloat16))
+        k3 = tl.load(rope[:, None] + tl.arange(0, _ROPE)[None, :], mask=valid[:, None], other=0.0).to(DTYPE)
+
+        s = tl.dot(q0, tl.trans(k0))
+        s = tl.dot(q1, tl.trans(k1), s)
+        s = tl.dot(q2, tl.trans(k2), s)
+        s = tl.dot(q3, tl.trans(k3), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m2, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: p = 0, no NaN
+        alpha = tl.exp2(m2 - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l = l * alpha + tl.sum(p, 1)
+        m2 = m_new
+        pd = p.to(DTYPE)
+        acc0 = tl.dot(pd, k0, acc0 * alpha[:, None])
+        acc1 = tl.dot(pd, k1, acc1 * alpha[:, None])
+        acc2 = tl.dot(pd, k2, acc2 * alpha[:, None])
+        acc3 = tl.dot(pd, k3, acc3 * alpha[:, None])
+
+    empty = l == 0.0
+    lse2 = tl.where(empty, 0.0, m2 + tl.log2(l))
+    if not SPLIT:
+        scale = tl.where(empty, 0.0, _sink_gate(sink, heads, head_ok, lse2) / l)
+        tl.store(lse + row * num_heads + heads, tl.where(empty, float("inf"), lse2 * _LN2), mask=head_ok)
+        dst = out + (row * num_heads + heads[:, None]) * _DIM
+        ODTYPE: tl.constexpr = tl.bfloat16
+    else:
+        scale = tl.where(empty, 0.0, 1.0 / l)
+        slot = (row * num_splits + split) * num_heads + heads
+        tl.store(part_lse + slot, tl.where(empty, float("-inf"), lse2), mask=head_ok)
+        dst = part_out + slot[:, None] * _DIM
+        ODTYPE: tl.constexpr = tl.float32
+    mask = head_ok[:, None]
+    _store_cols(dst, acc0, scale, mask, 0, _G1, ODTYPE)
+    _store_cols(dst, acc1, scale, mask, _G1, _G2 - _G1, ODTYPE)
+    _store_cols(dst, acc2, scale, mask, _G2, _NOPE - _G2, ODTYPE)
+    _store_cols(dst, acc3, scale, mask, _NOPE, _ROPE, ODTYPE)
+
+
+@triton.jit
+def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_POW2: tl.constexpr):
+    """Grid ``(T * H,)``: merge the S partial ``(out / l, lse2)`` of one (row, head), apply the
+    sink and write out [T, H, 512] bf16, lse [T, H] fp32 (natural log)."""
+    row_head = tl.program_id(0).to(tl.int64)
+    head = row_head % num_heads
+    first = (row_head // num_heads) * num_splits * num_heads + head  # split 0 of this (row, head)
+    sp = tl.arange(0, SPLITS_POW2)
+    part = tl.load(part_lse + first + sp * num_heads, mask=sp < num_splits, other=float("-inf"))
+    m2 = tl.max(part, 0)
+    m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
+    w = tl.exp2(part - m_safe)  # 0 for splits without keys (their part_out is 0)
+    total = tl.sum(w, 0)
+    d = tl.arange(0, _DIM)
+    acc = tl.zeros((_DIM,), tl.float32)
+    for s in range(num_splits):
+        ws = tl.sum(tl.where(sp == s, w, 0.0), 0)
+        acc += ws * tl.load(part_out + (first + s * num_heads) * _DIM + d)
+    empty = total == 0.0
+    lse2 = tl.where(empty, 0.0, m_safe + tl.log2(total))
+    gate = 1.0 / (1.0 + tl.exp2(tl.load(sink + head) * _LOG2E - lse2))
+    tl.store(out + row_head * _DIM + d, tl.where(empty, 0.0, acc * (gate / total)).to(tl.bfloat16))
+    tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * _LN2))
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # interpreter: pretend to be an H200 so the split path is exercised
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_splits(num_rows: int, num_head_blocks: int, width: int, block_n: int, num_sms: int) -> int:
+    """Key-range splits per (row, head block), from shapes only: fill one wave of SMs when rows
+    are few, never more splits than key blocks; 1 (no combine) once rows alone fill the GPU."""
+    programs = max(1, num_rows * num_head_blocks)
+    return max(1, min(num_sms // programs, triton.cdiv(width, block_n)))
+
+
+def _unit_stride(t: torch.Tensor) -> torch.Tensor:
+    """Kernels index the last dim with stride 1 (other strides are passed)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
+                       swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
+                       extra_cache: torch.Tensor | None, extra_page_size: int,
+                       extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
+                       attn_sink: torch.Tensor, softmax_scale: float, *, num_splits: int | None = None,
+                       block_n: int = 32, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse MQA with sink. Arguments as ``dsv4::sparse_attn`` (already checked).
+
+    q: [T, H, 512] bf16; caches: [N_pages, page_bytes] uint8 (MODEL1, layout.py); indices: [T, K]
+    int32/int64 slots; lengths: [T] int32/int64; attn_sink: [H] fp32. Returns ``out [T, H, 512]
+    bf16`` and ``lse [T, H] fp32`` (natural log, sink excluded; +inf and out 0 for a row without
+    valid keys). Never reads tensor values on the host (CUDA-graph safe). ``num_splits`` overrides
+    the shape-based choice (tests); ``block_n`` / ``num_stages`` are tuning knobs (benchmarks).
+    """
+    T, H, _ = q.shape
+    q, swa_cache, swa_indices, swa_lengths, attn_sink = map(
+        _unit_stride, (q, swa_cache, swa_indices, swa_lengths, attn_sink))
+    if extra_cache is not None:
+        extra_cache, extra_indices, extra_lengths = map(_unit_stride,
+                                                        (extra_cache, extra_indices, extra_lengths))
+    out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
+    lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
+    if T == 0:
+        return out, lse
+    head_block = min(_MAX_HEAD_BLOCK, max(16, triton.next_power_of_2(H)))
+    head_blocks = triton.cdiv(H, head_block)
+    has_extra = extra_cache is not None
+    width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
+    splits = num_splits or choose_splits(T, head_blocks, width, block_n, _num_sms(q.device))
+    if splits > 1:
+        part_out = torch.empty(T, splits, H, HEAD_DIM, dtype=torch.float32, device=q.device)
+        part_lse = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
+    else:
+        part_out = part_lse = lse  # unused
+    if not has_extra:  # unused pointers / widths of the absent list
+        extra_cache, extra_indices, extra_lengths, extra_page_size = swa_cache, swa_indices, swa_lengths, 1
+    _sparse_attn_fwd[(T * head_blocks, splits)](
+        q, q.stride(0), q.stride(1),
+        swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices,
+        swa_indices.stride(0), swa_lengths, swa_indices.shape[1],
+        extra_cache, extra_cache.stride(0), extra_cache.shape[0] * extra_page_size, extra_indices,
+        extra_indices.stride(0), extra_lengths, extra_indices.shape[1] if has_extra else 0,
+        attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
+        SWA_P=swa_page_size, EX_P=extra_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
+        HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DOT_F32=_INTERPRET,
+        num_warps=8, num_stages=num_stages,  # 3 stages: indices, then entry bytes, then math
+    )
+    if splits > 1:
+        _combine[(T * H,)](part_out, part_lse, attn_sink, out, lse, H, splits,
+                           SPLITS_POW2=triton.next_power_of_2(splits), num_warps=4)
+    return out, lse
