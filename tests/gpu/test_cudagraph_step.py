@@ -2,9 +2,11 @@
 
 Two compiled variants of the same stack run a long serving scenario beside an eager twin:
 
-* ``backend="cudagraphs"`` (eager kernels + CUDA-graph trees): must equal eager bit for bit —
-  outputs and every cache byte — after every step, so any stale metadata on replay would show;
-* ``mode="reduce-overhead"`` (Inductor + CUDA-graph trees): equal within bf16 rounding.
+* ``backend="cudagraphs"`` (eager kernels + CUDA-graph trees, one static graph per bucket: that
+  backend does not re-key graphs on dynamic sizes): must equal eager bit for bit — outputs and
+  every cache byte — after every step, so any stale metadata on replay would show;
+* ``mode="reduce-overhead"`` (Inductor + CUDA-graph trees): Inductor's fused projections round
+  differently from eager, so every step is checked against the cache-free oracle instead.
 
 Requests join, grow across page (256) and compression (4, 128) boundaries, verify drafts
 (uniform D = 2..4 and ragged), go idle and leave; batches are padded to buckets, the only
@@ -64,7 +66,22 @@ def _scenario():
     return steps
 
 
-def _run(eager, compiled, check_exact: bool, sync_check_after: int):
+def _no_sync_after(fn, first_checked_call: int):
+    """Wrap a compiled step so that, from call ``first_checked_call`` on (replays), any
+    synchronising CUDA operation inside it raises."""
+    calls = [0]
+
+    def step(x, s):
+        calls[0] += 1
+        torch.cuda.set_sync_debug_mode("error" if calls[0] >= first_checked_call else "default")
+        try:
+            return fn(x, s)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return step
+
+
+def _run(eager, compiled, check_exact: bool):
     names = {}
     for n, (mode, tokens, accepted) in enumerate(_scenario()):
         for name in tokens:
@@ -78,18 +95,14 @@ def _run(eager, compiled, check_exact: bool, sync_check_after: int):
             assert torch.isfinite(outs[1]).all()
             continue
         want = eager.run(mode, {names[k][0]: v for k, v in tokens.items()})
-        sync = torch.cuda.set_sync_debug_mode if n >= sync_check_after else (lambda _: None)
-        sync("error")
         got = compiled.run(mode, {names[k][1]: v for k, v in tokens.items()})
-        sync("default")
-        for k in tokens:
-            w, g = want[names[k][0]], got[names[k][1]]
-            if check_exact:
-                assert torch.equal(w, g), f"step {n} ({mode.value}) request {k} differs from eager"
-            else:
-                assert (w.float() - g.float()).abs().max() <= 0.02 * w.float().abs().max()
         if check_exact:
+            for k in tokens:
+                assert torch.equal(want[names[k][0]], got[names[k][1]]), \
+                    f"step {n} ({mode.value}) request {k} differs from eager"
             assert_caches_equal(eager.stack.cache, compiled.stack.cache)
+        else:
+            assert_outputs_match(compiled, got)
         if accepted:
             for k, a in accepted.items():
                 eager.accept(names[k][0], a, tokens[k]), compiled.accept(names[k][1], a, tokens[k])
@@ -103,12 +116,15 @@ def test_long_run_as_cuda_graphs(backend, exact):
     eager.bucketed = True
     compiled = make_engine(CFG, max_requests=4, max_seq_len=1024, device="cuda", capture_layers=False)
     compiled.bucketed = True
-    with fresh_compile_state(), _count_recordings() as rec:
+    with fresh_compile_state(), _count_recordings() as rec, \
+            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         if backend == "cudagraphs":
-            compiled.forward = torch.compile(compiled.stack, backend="cudagraphs", fullgraph=True)
+            compiled.forward = torch.compile(compiled.stack, backend="cudagraphs", fullgraph=True,
+                                             dynamic=False)
         else:
             compiled.forward = torch.compile(compiled.stack, mode="reduce-overhead", fullgraph=True)
-        names = _run(eager, compiled, exact, sync_check_after=40)
+        compiled.forward = _no_sync_after(compiled.forward, first_checked_call=36)
+        names = _run(eager, compiled, exact)
         assert graph_breaks() == 0
         assert counters["inductor"]["cudagraph_skips"] == 0
         assert rec.count >= 4, f"only {rec.count} CUDA graphs recorded"
