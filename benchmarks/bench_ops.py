@@ -179,7 +179,7 @@ def _metadata_chain(impl, step, req_to_token, full_to_swa):
     """Every metadata op of a decode step of a model with c4 and c128 layers, in step order."""
     req_rows, seq_lens, extend_lens, out_cache_loc = step
     req_of_row, seq_casual, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    page_table = impl["page_table"](req_to_token, req_of_row)
+    page_table = impl["page_table"](req_to_token, req_of_row, seq_casual)
     impl["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc)
     impl["c4"](seq_casual, out_cache_loc, INDEX_TOPK)
     impl["c128"](page_table, seq_casual, out_cache_loc)
