@@ -27,6 +27,7 @@ from dsv4_compile.testing.oracle_checks import assert_outputs_match, make_engine
 pytestmark = pytest.mark.gpu
 M = ForwardMode
 CFG = DSV4AttnConfig.from_name("tiny").with_(index_topk=64, num_heads=16, o_groups=2)
+DEVICE = "cuda"
 
 
 class _Recordings(logging.Handler):
@@ -53,7 +54,7 @@ def _count_recordings():
 
 def _scenario():
     """(mode, {request name: tokens}, {request name: accepted} | None, joins, leaves) per step."""
-    steps = [(M.EXTEND, {"a": 300, "b": 120}, None)]
+    steps = [(M.EXTEND, {"a": 300, "b": 240}, None)]  # b's decode crosses the 256 page boundary
     for i in range(24):
         steps.append((M.DECODE, {"a": 1, "b": 1, **({"c": 1} if i >= 6 else {})}, None))
         if i == 5:
@@ -112,9 +113,9 @@ def _run(eager, compiled, check_exact: bool):
 @pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False)])
 @torch.no_grad()
 def test_long_run_as_cuda_graphs(backend, exact):
-    eager = make_engine(CFG, max_requests=4, max_seq_len=1024, device="cuda", capture_layers=False)
+    eager = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
     eager.bucketed = True
-    compiled = make_engine(CFG, max_requests=4, max_seq_len=1024, device="cuda", capture_layers=False)
+    compiled = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
     compiled.bucketed = True
     with fresh_compile_state(), _count_recordings() as rec, \
             torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
@@ -139,7 +140,7 @@ def test_replay_switches_indexer_from_all_visible_to_topk():
     """A graph recorded while every row sees <= top-k c4 entries (selection = all, unscored) must,
     when replayed after the rows grow past top-k, rank entries (local-inference-lab/vllm#429)."""
     cfg = CFG.with_(compress_ratios=(4,))
-    eng = make_engine(cfg, max_requests=2, max_seq_len=512, device="cuda", capture_layers=False)
+    eng = make_engine(cfg, max_requests=2, max_seq_len=512, device=DEVICE, capture_layers=False)
     row = eng.admit()
     eng.run(M.EXTEND, {row: 240})  # 60 visible entries < 64
     with fresh_compile_state(), _count_recordings() as rec:
@@ -158,23 +159,43 @@ def test_replay_switches_indexer_from_all_visible_to_topk():
 
 
 @torch.no_grad()
-def test_draft_extend_and_sizes_up_to_256_with_bounded_graphs():
-    """Draft-extend steps of an SWA-only stack, and decode batches 1..256 padded to buckets:
-    the number of recorded graphs is the number of buckets touched, not of sizes."""
-    cfg = CFG.with_(compress_ratios=(0, 0))
-    eng = make_engine(cfg, max_requests=256, max_seq_len=256, device="cuda", capture_layers=False)
+def test_draft_extend_on_the_swa_only_draft_stack():
+    eng = make_engine(CFG.with_(compress_ratios=(0, 0)), max_requests=8, max_seq_len=512, device=DEVICE,
+                      capture_layers=False)
+    eng.bucketed = True
+    rows = [eng.admit() for _ in range(8)]
+    eng.run(M.EXTEND, {r: 100 + 20 * i for i, r in enumerate(rows)})
+    with fresh_compile_state():
+        eng.forward = torch.compile(eng.stack, mode="reduce-overhead", fullgraph=True)
+        for _ in range(4):
+            assert_outputs_match(eng, eng.run(M.DRAFT_EXTEND, {r: 3 for r in rows}))
+        assert counters["inductor"]["cudagraph_skips"] == 0 and graph_breaks() == 0
+
+
+@torch.no_grad()
+def test_sizes_up_to_256_requests_and_1024_verify_tokens_with_bounded_graphs():
+    """Decode batches 1..256 and verify steps up to 1024 tokens, padded to buckets: the number of
+    recorded graphs is the number of buckets touched, not of sizes. Prints graphs and memory."""
+    eng = make_engine(CFG, max_requests=256, max_seq_len=256, device=DEVICE, capture_layers=False)
     eng.bucketed = True
     rows = [eng.admit() for _ in range(256)]
     eng.run(M.EXTEND, {r: 5 for r in rows})
     with fresh_compile_state(), _count_recordings() as rec:
         eng.forward = torch.compile(eng.stack, mode="reduce-overhead", fullgraph=True)
-        for _ in range(2):
-            eng.run(M.DRAFT_EXTEND, {r: 2 for r in rows[:8]})
-        touched = set()
-        for b in list(range(1, 33)) + [40, 64, 100, 128, 200, 256]:
+        decode_sizes = list(range(1, 33)) + [40, 64, 100, 128, 200, 256]
+        for b in decode_sizes:
             eng.run(M.DECODE, {r: 1 for r in rows[:b]})
-            touched.add(b)
+        decode_graphs = rec.count
+        verify_sizes = [(64, 2), (100, 3), (200, 4), (256, 4)]  # up to 1024 tokens
+        for b, d in verify_sizes:
+            eng.run(M.TARGET_VERIFY, {r: d for r in rows[:b]})
+            for r in rows[:b]:
+                eng.accept(r, 1, d)
         assert counters["inductor"]["cudagraph_skips"] == 0 and graph_breaks() == 0
-        assert rec.count <= 1 + 15, f"{rec.count} graphs for {len(touched)} sizes"
-    torch.cuda.synchronize()
-    print(f"graphs recorded: {rec.count}; max memory allocated {torch.cuda.max_memory_allocated() / 2**20:.0f} MiB")
+        assert decode_graphs <= 15, f"{decode_graphs} decode graphs for {len(decode_sizes)} sizes"
+        assert rec.count - decode_graphs <= len(verify_sizes)
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+        mem = torch.cuda.max_memory_allocated() / 2**20
+        print(f"graphs recorded: {decode_graphs} decode + {rec.count - decode_graphs} verify; "
+              f"max memory allocated {mem:.0f} MiB")
