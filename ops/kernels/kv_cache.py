@@ -67,6 +67,15 @@ def _slot_page(slots_ptr, row, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE: tl.constexpr, DATA_BYTES: tl.constexpr,
+                      SCALE_BYTES: tl.constexpr):
+    """``(valid, data_ptr, scale_ptr)`` of the MODEL1 token at ``slots[row]`` (layout.py)."""
+    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    page_ptr = cache_ptr + page * stride_page
+    return valid, page_ptr + off * DATA_BYTES, page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+
+
+@triton.jit
 def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
                      PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                      NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
@@ -76,10 +85,8 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride
     tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
     tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
     row = tl.program_id(0).to(tl.int64)
-    valid, page, off = _slot_page(slots_ptr, row, PAGE)
-    page_ptr = cache_ptr + page * stride_page
-    data_ptr = page_ptr + off * DATA_BYTES
-    scale_ptr = page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE, DATA_BYTES,
+                                                   SCALE_BYTES)
 
     tile = tl.arange(0, 8)
     col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64] element index
@@ -108,10 +115,8 @@ def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, stride_page, stride_on,
                        NUM_TILES: tl.constexpr, BIAS: tl.constexpr):
     """MODEL1 bytes of slot ``slots[n]`` -> row n of ``out [N, 512] bf16`` (zeros if slot < 0)."""
     row = tl.program_id(0).to(tl.int64)
-    valid, page, off = _slot_page(slots_ptr, row, PAGE)
-    page_ptr = cache_ptr + page * stride_page
-    data_ptr = page_ptr + off * DATA_BYTES
-    scale_ptr = page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE, DATA_BYTES,
+                                                   SCALE_BYTES)
 
     tile = tl.arange(0, 8)
     is_nope = tile < NUM_TILES

@@ -49,6 +49,7 @@ def test_metadata_ops(state, step_name):
     _opcheck(ops.build_c4_metadata, (seq, step.out_cache_loc, 64))
     page_table = ops.build_page_table(cache.req_to_token, req, seq)
     _opcheck(ops.build_c128_metadata, (page_table, seq, step.out_cache_loc))
+    _opcheck(ops.step_metadata, (*step.tensors(), cache.req_to_token, cache.full_to_swa, 64))
 
 
 def test_cache_ops():
