@@ -175,11 +175,11 @@ REFERENCES = dict(expand=_expand_reference, page_table=ref_meta.build_page_table
                   c128=ref_meta.build_c128_metadata)
 
 
-def _metadata_chain(impl, step, req_to_token, full_to_swa):
+def _metadata_chain(impl, step, req_to_token, req_to_page, full_to_swa):
     """Every metadata op of a decode step of a model with c4 and c128 layers, in step order."""
     req_rows, seq_lens, extend_lens, out_cache_loc = step
     req_of_row, seq_casual, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    page_table = impl["page_table"](req_to_token, req_of_row, seq_casual)
+    page_table = impl["page_table"](req_to_page, req_of_row, seq_casual)
     impl["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc)
     impl["c4"](seq_casual, out_cache_loc, INDEX_TOPK)
     impl["c128"](page_table, seq_casual, out_cache_loc)
@@ -189,8 +189,8 @@ def metadata_cases(args) -> list[Case]:
     """Each metadata op, and all of them chained, for decode at b requests and each capacity.
 
     Bytes count useful data only, int32 throughout: expand reads 3 x 4 B per request and writes
-    16 B per row; page_table reads one 4 B slot per page (alone in its 32 B sector: the real
-    traffic is up to 8x more) and writes 4 B; swa reads 128 slots and 128 mapped slots and writes
+    16 B per row; page_table reads the live prefix of the row's compact page map (contiguous) and
+    writes 4 B per page; swa reads 128 slots and 128 mapped slots and writes
     130 entries; c4 reads 12 B and writes 12 B per row; c128 writes its full width and reads the
     page-table entries of the visible prefix (about L / 256 per row).
     """
@@ -198,18 +198,19 @@ def metadata_cases(args) -> list[Case]:
     for capacity in args.capacity:
         gen = torch.Generator(device=args.device).manual_seed(capacity)
         req_to_token, full_to_swa = inputs.index_maps(max(args.batch), capacity, gen)
+        req_to_page = ref_meta.page_map(req_to_token)
         n_pages = capacity // PAGE_SIZE
         width = ref_meta.ceil_to(2 * n_pages, 64)
         for b in args.batch:
             step = _decode_step(req_to_token, b, capacity, gen)
             req_rows, seq_lens, extend_lens, loc = step
             req_of_row, seq_casual, _, _ = _expand_reference(*step)
-            page_table = ref_meta.build_page_table(req_to_token, req_of_row, seq_casual)
+            page_table = ref_meta.build_page_table(req_to_page, req_of_row, seq_casual)
             visible_pages = int(seq_lens.sum()) // PAGE_SIZE
             params = {"b": b, "capacity": capacity}
             per_op = {  # case name -> (op key, arguments, bytes)
                 "expand_queries": ("expand", step, 28 * b),
-                "build_page_table": ("page_table", (req_to_token, req_of_row, seq_casual),
+                "build_page_table": ("page_table", (req_to_page, req_of_row, seq_casual),
                                      4 * b * n_pages + 4 * visible_pages + 8 * b),
                 "build_swa_metadata": ("swa", (req_to_token, full_to_swa, req_of_row, seq_casual, loc),
                                        b * (4 * (3 * SWA_WINDOW + 4) + 8)),
@@ -223,14 +224,16 @@ def metadata_cases(args) -> list[Case]:
                                   reference=partial(REFERENCES[key], *op_args)))
             cases.append(Case("decode_metadata_total", params, family="metadata",
                               bytes=sum(nbytes for _, _, nbytes in per_op.values()),
-                              kernel=partial(_metadata_chain, KERNELS, step, req_to_token, full_to_swa),
-                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, full_to_swa),
+                              kernel=partial(_metadata_chain, KERNELS, step, req_to_token, req_to_page, full_to_swa),
+                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, req_to_page,
+                                                full_to_swa),
                               notes="expand + page_table + swa + c4 + c128 (5 launches)"))
             cases.append(Case("decode_metadata_fused", params, family="metadata",
                               bytes=sum(nbytes for _, _, nbytes in per_op.values()) - 4 * visible_pages,
                               kernel=partial(meta_kernels.launch_step_metadata, *step, req_to_token,
-                                             full_to_swa, INDEX_TOPK),
-                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, full_to_swa),
+                                             req_to_page, full_to_swa, INDEX_TOPK),
+                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, req_to_page,
+                                                full_to_swa),
                               notes="dsv4::step_metadata: the same outputs in one launch"))
     return cases
 

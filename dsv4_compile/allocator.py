@@ -1,7 +1,7 @@
 """Host-side page allocator: the bookkeeping a serving engine runs *between* steps.
 
-It hands out request rows, full-pool pages and SWA-pool pages, and writes the two index maps of
-:class:`~dsv4_compile.cache.DSV4Cache` (``req_to_token``, ``full_to_swa``). Nothing here runs
+It hands out request rows, full-pool pages and SWA-pool pages, and writes the index maps of
+:class:`~dsv4_compile.cache.DSV4Cache` (``req_to_token``, ``req_to_page``, ``full_to_swa``). Nothing here runs
 inside a compiled step. Allocation is page-aligned (SPEC §2.1): the token at position ``pos`` gets
 full slot ``full_page * 256 + pos % 256`` and SWA slot ``swa_page * 256 + pos % 256``.
 
@@ -97,6 +97,8 @@ class PageAllocator:
         swa = swa_map[page] * PAGE_SIZE + pos % PAGE_SIZE
         device = self.cache.device
         self.cache.req_to_token[row, req.seq_len:new_len] = full.to(device, torch.int32)
+        self.cache.req_to_page[row, first:last] = torch.tensor(req.full_pages[first:last], dtype=torch.int32,
+                                                               device=device)
         self.cache.full_to_swa[full.to(device)] = swa.to(device, torch.int32)
         req.seq_len = new_len
         return full.to(device)

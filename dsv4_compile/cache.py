@@ -4,6 +4,8 @@ Index space (shared by all layers):
 
 * ``req_to_token [R, L_max] int32`` — full slot of (request row, position); row 0 is the reserved
   dummy request that padding rows use (all zeros).
+* ``req_to_page [R, L_max / 256] int32`` — full page of each 256-token page of a request
+  (``req_to_token[r, 256 i] // 256``), kept so a page-table row is one contiguous read.
 * ``full_to_swa [F * 256] int32`` — SWA slot of each full slot, 0 when the token has no SWA storage.
 
 Per layer (``layers[i]``, a :class:`LayerCache`):
@@ -85,6 +87,8 @@ class DSV4Cache(nn.Module):
             raise ValueError("num_full_pages and num_swa_pages must be >= 2 (page 0 is the dummy)")
         rows = max_requests + 1
         self.register_buffer("req_to_token", torch.zeros(rows, max_seq_len, dtype=torch.int32, device=device))
+        self.register_buffer("req_to_page", torch.zeros(rows, max_seq_len // PAGE_SIZE, dtype=torch.int32,
+                                                        device=device))
         self.register_buffer("full_to_swa", torch.zeros(self.num_full_pages * PAGE_SIZE, dtype=torch.int32,
                                                         device=device))
         self.layers = nn.ModuleList(

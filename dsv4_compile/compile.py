@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from .fx_passes import DSV4PassManager
+
 # Request counts (decode) and token counts (verify / extend) a step is padded up to.
 REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
 TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
@@ -25,7 +27,11 @@ def bucket(n: int, buckets: Sequence[int]) -> int:
     return buckets[i] if i < len(buckets) else n
 
 
-def compile_step(stack: torch.nn.Module, *, mode: str | None = "reduce-overhead", **kwargs):
-    """``torch.compile(stack, fullgraph=True, mode=mode)``: a whole step as one graph (CUDA graphs
-    under ``reduce-overhead`` on GPU; a plain compiled function on CPU)."""
-    return torch.compile(stack, fullgraph=True, mode=mode, **kwargs)
+def compile_step(stack: torch.nn.Module, *, cuda_graphs: bool = True, fuse: bool = True, **kwargs):
+    """``torch.compile(stack, fullgraph=True)`` — a whole step as one graph — with CUDA graphs
+    (what ``mode="reduce-overhead"`` sets; a no-op on CPU) and the dsv4 FX passes
+    (``fx_passes.DSV4PassManager``: the metadata chain fused into one op) unless turned off."""
+    options = {"triton.cudagraphs": cuda_graphs}
+    if fuse:
+        options["post_grad_custom_post_pass"] = DSV4PassManager()
+    return torch.compile(stack, fullgraph=True, options=options, **kwargs)

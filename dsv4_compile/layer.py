@@ -193,7 +193,7 @@ class DSV4AttentionStack(nn.Module):
         capturing a CUDA graph by hand); compiled calls never do."""
         if validate and not torch.compiler.is_compiling():
             validate_step(self.config, self.cache, x, step)
-        meta = build_step_metadata(step, self.cache.req_to_token, self.cache.full_to_swa, self.config)
+        meta = build_step_metadata(step, self.cache, self.config)
         h = x
         for layer, layer_cache in zip(self.layers, self.cache.layers):
             h = h + layer(h, meta, layer_cache)

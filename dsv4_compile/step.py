@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
 from .config import DSV4AttnConfig
+
+if TYPE_CHECKING:
+    from .cache import DSV4Cache
 
 
 class ForwardMode(enum.Enum):
@@ -126,13 +130,13 @@ class StepMetadata:
     c128_lengths: torch.Tensor | None = None  # [T] int32
 
 
-def build_step_metadata(step: StepInputs, req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
-                        config: DSV4AttnConfig) -> StepMetadata:
-    """All metadata of one step, through ``dsv4::`` ops (no host reads)."""
+def build_step_metadata(step: StepInputs, cache: "DSV4Cache", config: DSV4AttnConfig) -> StepMetadata:
+    """All metadata of one step from the cache's index maps, through ``dsv4::`` ops (no host reads)."""
+    req_to_token, full_to_swa = cache.req_to_token, cache.full_to_swa
     ops = torch.ops.dsv4
     req_of_row, seq_casual, row_start, row_end = ops.expand_queries(
         step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    page_table = ops.build_page_table(req_to_token, req_of_row, seq_casual)
+    page_table = ops.build_page_table(cache.req_to_page, req_of_row, seq_casual)
     swa_indices, swa_lengths, swa_out_loc = ops.build_swa_metadata(
         req_to_token, full_to_swa, req_of_row, seq_casual, step.out_cache_loc)
     meta = StepMetadata(req_of_row, seq_casual - 1, seq_casual, row_start, row_end, page_table,

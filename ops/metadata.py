@@ -63,29 +63,34 @@ def _(req_rows, seq_lens, extend_lens, out_cache_loc):
 
 
 # -- build_page_table --------------------------------------------------------------------------
-def _check_page_table(req_to_token, req_of_row, seq_lens_casual) -> None:
-    _check_req_to_token("build_page_table", req_to_token)
+def _check_req_to_page(op: str, req_to_page: torch.Tensor) -> None:
+    check_tensor(op, "req_to_page", req_to_page, dtypes=INDEX_DTYPES, ndim=2)
+
+
+def _check_page_table(req_to_page, req_of_row, seq_lens_casual) -> None:
+    _check_req_to_page("build_page_table", req_to_page)
     _check_rows("build_page_table", req_of_row=req_of_row, seq_lens_casual=seq_lens_casual)
 
 
 @torch.library.custom_op("dsv4::build_page_table", mutates_args=())
-def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
+def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                      seq_lens_casual: torch.Tensor) -> torch.Tensor:
-    """``[T, NP] int32``: full-pool page of each 256-token page of the row's request."""
-    _check_page_table(req_to_token, req_of_row, seq_lens_casual)
-    return ref.build_page_table(req_to_token, req_of_row, seq_lens_casual)
+    """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after
+    (``req_to_page [R, NP]``: the cache's compact page map)."""
+    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
+    return ref.build_page_table(req_to_page, req_of_row, seq_lens_casual)
 
 
 @cuda_kernel(build_page_table)
-def _(req_to_token, req_of_row, seq_lens_casual):
-    _check_page_table(req_to_token, req_of_row, seq_lens_casual)
-    return kernels.launch_build_page_table(req_to_token, req_of_row, seq_lens_casual)
+def _(req_to_page, req_of_row, seq_lens_casual):
+    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
+    return kernels.launch_build_page_table(req_to_page, req_of_row, seq_lens_casual)
 
 
 @build_page_table.register_fake
-def _(req_to_token, req_of_row, seq_lens_casual):
-    _check_page_table(req_to_token, req_of_row, seq_lens_casual)
-    return req_of_row.new_empty(req_of_row.shape[0], req_to_token.shape[1] // PAGE_SIZE, dtype=_I32)
+def _(req_to_page, req_of_row, seq_lens_casual):
+    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
+    return req_of_row.new_empty(req_of_row.shape[0], req_to_page.shape[1], dtype=_I32)
 
 
 # -- build_swa_metadata ------------------------------------------------------------------------
@@ -180,10 +185,14 @@ def _(page_table, seq_lens_casual, out_cache_loc):
 
 
 # -- step_metadata: every op above in one launch --------------------------------------------------
-def _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk) -> None:
+def _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa,
+                topk) -> None:
     _check_rows("step_metadata", req_rows=req_rows, seq_lens=seq_lens, extend_lens=extend_lens)
     check_tensor("step_metadata", "out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, ndim=1)
     _check_req_to_token("step_metadata", req_to_token)
+    _check_req_to_page("step_metadata", req_to_page)
+    check_tensor("step_metadata", "req_to_page", req_to_page,
+                 shape=(req_to_token.shape[0], req_to_token.shape[1] // PAGE_SIZE))
     check_tensor("step_metadata", "full_to_swa", full_to_swa, dtypes=INDEX_DTYPES, ndim=1)
     if topk <= 0:
         raise ValueError(f"dsv4.step_metadata: topk={topk} must be positive")
@@ -191,18 +200,18 @@ def _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, fu
 
 @torch.library.custom_op("dsv4::step_metadata", mutates_args=())
 def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
-                  topk: int
+                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
+                  full_to_swa: torch.Tensor, topk: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                              torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The outputs of ``expand_queries``, ``build_page_table``, ``build_swa_metadata``,
     ``build_c4_metadata`` and ``build_c128_metadata``, in that order (14 int32 tensors, equal to the
     separate ops'); on CUDA one launch instead of five."""
-    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk)
+    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk)
     expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
     req_of_row, seq_casual = expanded[:2]
-    page_table = ref.build_page_table(req_to_token, req_of_row, seq_casual)
+    page_table = ref.build_page_table(req_to_page, req_of_row, seq_casual)
     return (*expanded, page_table,
             *ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
             *ref.build_c4_metadata(seq_casual, out_cache_loc, topk),
@@ -210,16 +219,16 @@ def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: t
 
 
 @cuda_kernel(step_metadata)
-def _(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk):
-    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk)
+def _(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk):
+    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk)
     return kernels.launch_step_metadata(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token,
-                                        full_to_swa, topk)
+                                        req_to_page, full_to_swa, topk)
 
 
 @step_metadata.register_fake
-def _(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk):
-    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, full_to_swa, topk)
-    t, n_pages = out_cache_loc.shape[0], req_to_token.shape[1] // PAGE_SIZE
+def _(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk):
+    _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk)
+    t, n_pages = out_cache_loc.shape[0], req_to_page.shape[1]
     width = ref.ceil_to(2 * n_pages, INDEX_ALIGN)
     shapes = [(t,)] * 4 + [(t, n_pages), (t, SWA_WINDOW)] + [(t,)] * 6 + [(t, width), (t,)]
     return tuple(out_cache_loc.new_empty(shape, dtype=_I32) for shape in shapes)

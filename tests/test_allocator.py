@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from dsv4_compile import DSV4AttnConfig, DSV4Cache, OutOfPagesError, PageAllocator
+from dsv4_compile.reference.metadata import page_map
 
 CFG = DSV4AttnConfig.from_name("tiny").with_(compress_ratios=(0,))
 
@@ -24,6 +25,7 @@ def test_slots_are_page_aligned_and_maps_written():
     swa = cache.full_to_swa[loc]
     assert torch.equal(swa.long() % 256, pos % 256) and torch.all(swa > 0)
     assert loc.min() >= 256  # never page 0
+    assert torch.equal(cache.req_to_page[a, :2], page_map(cache.req_to_token)[a, :2])  # compact page map
 
 
 def test_swa_pages_are_evicted_once_out_of_the_window():

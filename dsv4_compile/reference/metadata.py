@@ -51,14 +51,20 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
             torch.where(real, l_b, 1).to(_I32))
 
 
-def build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
+def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
+    """``req_to_page [R, NP] int32``: the full page of each 256-token page of every request row,
+    ``req_to_token[r, 256 i] // 256`` (the allocator keeps this map beside ``req_to_token``)."""
+    return (req_to_token[:, ::PAGE_SIZE] // PAGE_SIZE).to(_I32)
+
+
+def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                      seq_lens_casual: torch.Tensor) -> torch.Tensor:
-    """``page_table[q, i] = req_to_token[req_q, 256 i] // 256`` for the pages holding positions
-    ``< seq_lens_casual[q]``, 0 past them: [T, NP] int32 (SPEC §3.3). Every reader (c4 indexer,
-    c128 indices) stays inside that prefix, so a kernel reads only the row's live pages."""
-    first_slots = req_to_token[:, ::PAGE_SIZE]  # [R, NP]
-    live = torch.arange(first_slots.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_casual.long().unsqueeze(1)
-    return torch.where(live, first_slots[req_of_row.long()] // PAGE_SIZE, 0).to(_I32)
+    """``page_table[q, i] = req_to_page[req_q, i]`` (= ``req_to_token[req_q, 256 i] // 256``) for
+    the pages holding positions ``< seq_lens_casual[q]``, 0 past them: [T, NP] int32 (SPEC §3.3).
+    Every reader (c4 indexer, c128 indices) stays inside that prefix; a row of the compact page
+    map is contiguous, so the table is a masked row copy."""
+    live = torch.arange(req_to_page.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_casual.long().unsqueeze(1)
+    return torch.where(live, req_to_page[req_of_row.long()], 0).to(_I32)
 
 
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,

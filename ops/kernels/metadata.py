@@ -64,12 +64,11 @@ def _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B: tl.c
 
 
 @triton.jit
-def _page_block(req_to_token_ptr, req, seq, i, stride_rr, stride_rl, NP, PAGE: tl.constexpr):
-    """Full-pool pages ``req_to_token[req, 256 i] // 256`` of page indices ``i`` holding positions
-    below ``seq`` (0 past them and past NP): only the row's live pages are read."""
-    full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + (i * PAGE).to(tl.int64) * stride_rl,
+def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, NP, PAGE: tl.constexpr):
+    """Full-pool pages ``req_to_page[req, i]`` of page indices ``i`` holding positions below
+    ``seq`` (0 past them and past NP): a contiguous read of the row's live pages only."""
+    return tl.load(req_to_page_ptr + req.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pp,
                    mask=(i < NP) & (i * PAGE < seq), other=0)
-    return _floor_div(full, PAGE)
 
 
 @triton.jit
@@ -121,13 +120,13 @@ def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_out_
 
 
 @triton.jit
-def _page_table_kernel(out_ptr, req_to_token_ptr, req_of_row_ptr, seq_ptr, stride_rr, stride_rl, NP,
+def _page_table_kernel(out_ptr, req_to_page_ptr, req_of_row_ptr, seq_ptr, stride_pr, stride_pp, NP,
                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[q, i] = req_to_token[req_q, 256 i] // 256`` for a block of pages i (0 past the row)."""
+    """``out[q, i] = req_to_page[req_q, i]`` for a block of pages i (0 past the row)."""
     q = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     req = tl.load(req_of_row_ptr + q)
-    page = _page_block(req_to_token_ptr, req, tl.load(seq_ptr + q), i, stride_rr, stride_rl, NP, PAGE)
+    page = _page_block(req_to_page_ptr, req, tl.load(seq_ptr + q), i, stride_pr, stride_pp, NP, PAGE)
     tl.store(out_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
 
 
@@ -174,10 +173,10 @@ def _c128_kernel(out_loc_ptr, indices_ptr, lengths_ptr, page_table_ptr, seq_ptr,
 @triton.jit
 def _step_metadata_kernel(
         req_rows_ptr, seq_lens_ptr, extend_lens_ptr, out_cache_loc_ptr, req_to_token_ptr,
-        full_to_swa_ptr, req_out_ptr, seq_out_ptr, start_out_ptr, end_out_ptr, page_table_ptr,
+        req_to_page_ptr, full_to_swa_ptr, req_out_ptr, seq_out_ptr, start_out_ptr, end_out_ptr, page_table_ptr,
         swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, c4_out_loc_ptr, c4_visible_ptr,
         c4_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
-        B, stride_rr, stride_rl, stride_f, n_swa, NP, K, topk,
+        B, stride_rr, stride_rl, stride_pr, stride_pp, stride_f, n_swa, NP, K, topk,
         PAGE: tl.constexpr, W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     """Every per-row field of a step in one launch: program (q, blk) expands row q, writes pages
     ``[blk BLOCK, (blk + 1) BLOCK)`` of its page table and the c128 entries of those pages (from
@@ -187,7 +186,7 @@ def _step_metadata_kernel(
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
     q = q.to(tl.int64)
     i = blk * BLOCK + tl.arange(0, BLOCK)
-    page = _page_block(req_to_token_ptr, req, seq, i, stride_rr, stride_rl, NP, PAGE).to(tl.int32)
+    page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, NP, PAGE).to(tl.int32)
     tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
     visible = _floor_div(seq, 128)
     j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i
@@ -233,15 +232,15 @@ def launch_expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend
     return outs
 
 
-def launch_build_page_table(req_to_token: torch.Tensor, req_of_row: torch.Tensor,
+def launch_build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                             seq_lens_casual: torch.Tensor) -> torch.Tensor:
     """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after."""
-    t, n_pages = req_of_row.shape[0], req_to_token.shape[1] // PAGE_SIZE
+    t, n_pages = req_of_row.shape[0], req_to_page.shape[1]
     out = _empty_i32(req_of_row.device, t, n_pages)
     if t and n_pages:
         block = _block(n_pages)
         _page_table_kernel[(t, triton.cdiv(n_pages, block))](
-            out, req_to_token, *_rows(req_of_row, seq_lens_casual), req_to_token.stride(0), req_to_token.stride(1),
+            out, req_to_page, *_rows(req_of_row, seq_lens_casual), req_to_page.stride(0), req_to_page.stride(1),
             n_pages,
             PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
     return out
@@ -290,11 +289,11 @@ def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.
 
 
 def launch_step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                         out_cache_loc: torch.Tensor, req_to_token: torch.Tensor,
+                         out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
                          full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
     """Every output of expand_queries, build_page_table, build_swa_metadata, build_c4_metadata and
     build_c128_metadata, in that order (14 int32 tensors), from one launch."""
-    t, n_pages = out_cache_loc.shape[0], req_to_token.shape[1] // PAGE_SIZE
+    t, n_pages = out_cache_loc.shape[0], req_to_page.shape[1]
     width = triton.cdiv(2 * n_pages, INDEX_ALIGN) * INDEX_ALIGN
     device = out_cache_loc.device
     shapes = [(t,)] * 4 + [(t, n_pages), (t, SWA_WINDOW)] + [(t,)] * 6 + [(t, width), (t,)]
@@ -303,8 +302,9 @@ def launch_step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_
         block = _block(width // 2)  # pages per program; their c128 entries are twice as many
         b = req_rows.shape[0]
         _step_metadata_kernel[(t, max(triton.cdiv(width // 2, block), 1))](  # block 0: row scalars
-            *_rows(req_rows, seq_lens, extend_lens, out_cache_loc), req_to_token, full_to_swa, *outs, b,
-            req_to_token.stride(0), req_to_token.stride(1), full_to_swa.stride(0), full_to_swa.shape[0],
+            *_rows(req_rows, seq_lens, extend_lens, out_cache_loc), req_to_token, req_to_page, full_to_swa,
+            *outs, b, req_to_token.stride(0), req_to_token.stride(1), req_to_page.stride(0), req_to_page.stride(1),
+            full_to_swa.stride(0), full_to_swa.shape[0],
             n_pages, width, topk, PAGE=PAGE_SIZE, W=SWA_WINDOW, BLOCK_B=_block(b), BLOCK=block,
             num_warps=4)
     return tuple(outs)

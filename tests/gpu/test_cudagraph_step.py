@@ -21,6 +21,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
+from dsv4_compile.compile import compile_step
 from dsv4_compile.testing.compile_checks import assert_caches_equal, fresh_compile_state, graph_breaks
 from dsv4_compile.testing.oracle_checks import assert_outputs_match, make_engine
 
@@ -110,7 +111,7 @@ def _run(eager, compiled, check_exact: bool):
     return names
 
 
-@pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False)])
+@pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False), ("compile_step", False)])
 @torch.no_grad()
 def test_long_run_as_cuda_graphs(backend, exact):
     eager = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
@@ -122,6 +123,8 @@ def test_long_run_as_cuda_graphs(backend, exact):
         if backend == "cudagraphs":
             compiled.forward = torch.compile(compiled.stack, backend="cudagraphs", fullgraph=True,
                                              dynamic=False)
+        elif backend == "compile_step":  # + the dsv4 FX passes (fused metadata)
+            compiled.forward = compile_step(compiled.stack)
         else:
             compiled.forward = torch.compile(compiled.stack, mode="reduce-overhead", fullgraph=True)
         compiled.forward = _no_sync_after(compiled.forward, first_checked_call=36)

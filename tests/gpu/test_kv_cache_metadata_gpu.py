@@ -134,7 +134,7 @@ def _chain(step, req_to_token, full_to_swa, topk, meta):
     req_rows, seq_lens, extend_lens, out_cache_loc = step
     expanded = meta["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
     req_of_row, seq_casual = expanded[:2]
-    page_table = meta["page_table"](req_to_token, req_of_row, seq_casual)
+    page_table = meta["page_table"](ref_meta.page_map(req_to_token), req_of_row, seq_casual)
     return (*expanded, page_table,
             *meta["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
             *meta["c4"](seq_casual, out_cache_loc, topk),
@@ -153,7 +153,7 @@ def test_metadata_exact(index_maps, name):
     req_to_token, full_to_swa = index_maps
     step = _step(name, req_to_token, _gen(5))
     got = _chain(step, req_to_token, full_to_swa, 512, OPS)
-    fused = ops.step_metadata(*step, req_to_token, full_to_swa, 512)
+    fused = ops.step_metadata(*step, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
     torch.cuda.synchronize()
     want = _chain(step, req_to_token, full_to_swa, 512, REFS)
     n_pages = L_MAX // 256
@@ -172,13 +172,13 @@ def test_metadata_and_store_replay_in_cuda_graph(index_maps):
     slots = torch.arange(8, device="cuda") + 2
     for _ in range(2):  # compile and warm up outside capture
         _chain(static, req_to_token, full_to_swa, 512, OPS)
-        ops.step_metadata(*static, req_to_token, full_to_swa, 512)
+        ops.step_metadata(*static, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
         ops.store_kv(cache, slots, keys, L.C128_PAGE_SIZE)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = _chain(static, req_to_token, full_to_swa, 512, OPS)
-        fused = ops.step_metadata(*static, req_to_token, full_to_swa, 512)
+        fused = ops.step_metadata(*static, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
         ops.store_kv(cache, slots, keys, L.C128_PAGE_SIZE)
     for dst, src in zip(static, _step("decode_b256", req_to_token, _gen(11))):
         dst.copy_(src)

@@ -50,8 +50,8 @@ def test_metadata_chain_matches_reference(device, name):
     _assert_same(K.launch_expand_queries(req_rows, seq_lens, extend_lens, t), expanded)
     req_of_row, seq_casual = expanded[:2]
 
-    page_table = ref.build_page_table(req_to_token, req_of_row, seq_casual)
-    _assert_same([K.launch_build_page_table(req_to_token, req_of_row, seq_casual)], [page_table])
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
+    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)], [page_table])
     _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
                  ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc))
     for topk in (2, 512):
@@ -66,7 +66,7 @@ def _reference_chain(step, req_to_token, full_to_swa, topk):
     req_rows, seq_lens, extend_lens, out_cache_loc = step
     expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
     req_of_row, seq_casual = expanded[:2]
-    page_table = ref.build_page_table(req_to_token, req_of_row, seq_casual)
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
     return (*expanded, page_table,
             *ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
             *ref.build_c4_metadata(seq_casual, out_cache_loc, topk),
@@ -76,7 +76,7 @@ def _reference_chain(step, req_to_token, full_to_swa, topk):
 @pytest.mark.parametrize("name", list(STEPS))
 def test_fused_step_metadata_matches_reference(device, name):
     req_to_token, full_to_swa, step = _inputs(device, name)
-    _assert_same(K.launch_step_metadata(*step, req_to_token, full_to_swa, 3),
+    _assert_same(K.launch_step_metadata(*step, req_to_token, ref.page_map(req_to_token), full_to_swa, 3),
                  _reference_chain(step, req_to_token, full_to_swa, 3))
 
 
@@ -91,14 +91,14 @@ def test_int64_inputs_and_torch_negative_indexing(device):
     expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, t)
     _assert_same(K.launch_expand_queries(req_rows, seq_lens, extend_lens, t), expanded)
     req_of_row, seq_casual = (x.long() for x in expanded[:2])
-    page_table = ref.build_page_table(req_to_token, req_of_row, seq_casual).long()
-    _assert_same([K.launch_build_page_table(req_to_token, req_of_row, seq_casual)], [page_table.int()])
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual).long()
+    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)], [page_table.int()])
     _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
                  ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc))
     _assert_same(K.launch_build_c128_metadata(page_table, seq_casual, out_cache_loc),
                  ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
     step = (req_rows, seq_lens, extend_lens, out_cache_loc)
-    _assert_same(K.launch_step_metadata(*step, req_to_token, full_to_swa, 512),
+    _assert_same(K.launch_step_metadata(*step, req_to_token, ref.page_map(req_to_token), full_to_swa, 512),
                  _reference_chain(step, req_to_token, full_to_swa, 512))
 
 
@@ -108,8 +108,8 @@ def test_wide_rows_span_column_blocks(device):
     req_to_token, full_to_swa = inputs.index_maps(3, 1 << 19, gen)
     step = inputs.make_step(req_to_token, [3, 1, 2], [1 << 19, 300000, 129], [1, 2, 1])
     want = _reference_chain(step, req_to_token, full_to_swa, 512)
-    _assert_same(K.launch_step_metadata(*step, req_to_token, full_to_swa, 512), want)
-    _assert_same([K.launch_build_page_table(req_to_token, want[0], want[1])], [want[4]])
+    _assert_same(K.launch_step_metadata(*step, req_to_token, ref.page_map(req_to_token), full_to_swa, 512), want)
+    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), want[0], want[1])], [want[4]])
     _assert_same(K.launch_build_c128_metadata(want[4], want[1], step[3]), want[11:])
 
 
@@ -127,7 +127,7 @@ def test_expand_many_requests_crosses_chunks(device):
 def test_strided_page_table_input(device):
     req_to_token, _, (req_rows, seq_lens, extend_lens, out_cache_loc) = _inputs(device, "decode")
     req_of_row, seq_casual, _, _ = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    page_table = ref.build_page_table(req_to_token, req_of_row, seq_casual)
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
     strided = torch.zeros(page_table.shape[1], page_table.shape[0], dtype=torch.int32, device=device).t()
     strided.copy_(page_table)
     _assert_same(K.launch_build_c128_metadata(strided, seq_casual, out_cache_loc),

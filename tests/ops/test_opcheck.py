@@ -26,7 +26,7 @@ def state():
         "decode": eng.build_step(ForwardMode.DECODE, {rows[0]: 1, rows[1]: 1})[1],
         "extend_padded": eng.build_step(ForwardMode.EXTEND, {rows[0]: 3, rows[1]: 5}, pad_tokens=12)[1],
     }
-    metas = {k: build_step_metadata(s, cache.req_to_token, cache.full_to_swa, TINY) for k, s in steps.items()}
+    metas = {k: build_step_metadata(s, cache, TINY) for k, s in steps.items()}
     return eng, cache, steps, metas
 
 
@@ -44,12 +44,12 @@ def test_metadata_ops(state, step_name):
     step = steps[step_name]
     _opcheck(ops.expand_queries, (step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc))
     req, seq, _, _ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    _opcheck(ops.build_page_table, (cache.req_to_token, req, seq))
+    _opcheck(ops.build_page_table, (cache.req_to_page, req, seq))
     _opcheck(ops.build_swa_metadata, (cache.req_to_token, cache.full_to_swa, req, seq, step.out_cache_loc))
     _opcheck(ops.build_c4_metadata, (seq, step.out_cache_loc, 64))
-    page_table = ops.build_page_table(cache.req_to_token, req, seq)
+    page_table = ops.build_page_table(cache.req_to_page, req, seq)
     _opcheck(ops.build_c128_metadata, (page_table, seq, step.out_cache_loc))
-    _opcheck(ops.step_metadata, (*step.tensors(), cache.req_to_token, cache.full_to_swa, 64))
+    _opcheck(ops.step_metadata, (*step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa, 64))
 
 
 def test_cache_ops():

@@ -28,10 +28,11 @@ def test_worked_decode_example():
     req, seq, start, end = metadata.expand_queries(torch.tensor([5], dtype=I32), torch.tensor([300], dtype=I32),
                                                    torch.tensor([1], dtype=I32), 1)
     assert (req.item(), seq.item(), start.item(), end.item()) == (5, 300, 299, 300)
-    page_table = metadata.build_page_table(req_to_token, req, seq)
+    req_to_page = metadata.page_map(req_to_token)
+    page_table = metadata.build_page_table(req_to_page, req, seq)
     assert page_table.shape == (1, 4) and page_table[0].tolist() == [17, 42, 0, 0]
-    req_to_token[5, 512] = 99 * 256  # stale entries past the row's length are never read
-    assert torch.equal(metadata.build_page_table(req_to_token, req, seq), page_table)
+    req_to_page[5, 2] = 99  # stale entries past the row's length are never read
+    assert torch.equal(metadata.build_page_table(req_to_page, req, seq), page_table)
     swa_idx, swa_len, swa_out = metadata.build_swa_metadata(req_to_token, full_to_swa, req, seq, out_cache_loc)
     k = torch.arange(128)
     p = 299 - k
@@ -98,7 +99,7 @@ def test_short_sequences():
     c4_out, visible, c4_len = metadata.build_c4_metadata(seq, loc, 512)
     assert visible.tolist() == [0, 0, 1, 32] and c4_len.tolist() == [1, 1, 1, 32]
     assert c4_out.tolist() == [-1, -1, (5 * 256 + 3) // 4, (5 * 256 + 127) // 4]
-    page_table = metadata.build_page_table(req_to_token, req, seq)
+    page_table = metadata.build_page_table(metadata.page_map(req_to_token), req, seq)
     c128_out, c128_idx, c128_len = metadata.build_c128_metadata(page_table, seq, loc)
     assert c128_len.tolist() == [1, 1, 1, 1]
     assert torch.all(c128_idx[:3] == -1) and c128_idx[3, 0].item() == 10 and c128_idx[3, 1].item() == -1

@@ -1,0 +1,39 @@
+"""The ordered list of dsv4 passes, installed as Inductor's ``post_grad_custom_post_pass``.
+
+torch 2.11 accepts a single custom pass there, so the manager is that pass and runs its own
+list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidates cached graphs).
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from .base import DSV4InductorPass, hash_source
+from .fuse_step_metadata import FuseStepMetadataPass
+
+
+class DSV4PassManager(DSV4InductorPass):
+    def __init__(self, passes: list[DSV4InductorPass] | None = None) -> None:
+        super().__init__()
+        self.passes: list[DSV4InductorPass] = []
+        for p in passes if passes is not None else [FuseStepMetadataPass()]:
+            self.add(p)
+
+    def add(self, p: DSV4InductorPass) -> None:
+        if not isinstance(p, DSV4InductorPass):
+            raise TypeError(f"expected a DSV4InductorPass, got {type(p).__name__}")
+        self.passes.append(p)
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        total = 0
+        for p in self.passes:
+            before = p.matched_count
+            p(graph)
+            total += p.matched_count - before
+        return total
+
+    def uuid(self) -> str:
+        return hashlib.sha256((hash_source(type(self)) + "".join(p.uuid() for p in self.passes)).encode()
+                              ).hexdigest()
