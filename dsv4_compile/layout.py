@@ -61,14 +61,6 @@ def index_page_bytes(page_size: int = INDEX_PAGE_SIZE) -> int:
     return page_size * INDEX_ENTRY_BYTES
 
 
-def model1_page_size_from_bytes(page_bytes: int) -> int | None:
-    """The page size ``P`` whose padded MODEL1 page is ``page_bytes`` long, if any."""
-    for p in (SWA_PAGE_SIZE, C4_PAGE_SIZE, C128_PAGE_SIZE):
-        if model1_page_bytes(p) == page_bytes:
-            return p
-    return None
-
-
 @dataclass(frozen=True)
 class Model1Offsets:
     """Byte offsets, within its page, of one token's fields (token ``i`` of a page of ``P``)."""

@@ -66,9 +66,6 @@ class StepInputs:
     def batch_size(self) -> int:
         return self.req_rows.shape[0]
 
-    def to(self, device) -> "StepInputs":
-        return StepInputs(self.mode, *(t.to(device) for t in self.tensors()))
-
     def tensors(self) -> tuple[torch.Tensor, ...]:
         return self.req_rows, self.seq_lens, self.extend_lens, self.out_cache_loc
 

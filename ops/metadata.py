@@ -209,13 +209,8 @@ def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: t
     ``build_c4_metadata`` and ``build_c128_metadata``, in that order (14 int32 tensors, equal to the
     separate ops'); on CUDA one launch instead of five."""
     _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk)
-    expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    req_of_row, seq_casual = expanded[:2]
-    page_table = ref.build_page_table(req_to_page, req_of_row, seq_casual)
-    return (*expanded, page_table,
-            *ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-            *ref.build_c4_metadata(seq_casual, out_cache_loc, topk),
-            *ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
+    return ref.step_metadata(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page,
+                             full_to_swa, topk)
 
 
 @cuda_kernel(step_metadata)

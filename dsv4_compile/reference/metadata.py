@@ -99,6 +99,20 @@ def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
     return out_loc, visible, visible.clamp(1, topk).to(_I32)
 
 
+def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
+                  full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
+    """The outputs of :func:`expand_queries`, :func:`build_page_table`, :func:`build_swa_metadata`,
+    :func:`build_c4_metadata` and :func:`build_c128_metadata` for one step, in that order (14)."""
+    expanded = expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
+    req_of_row, seq_casual = expanded[:2]
+    page_table = build_page_table(req_to_page, req_of_row, seq_casual)
+    return (*expanded, page_table,
+            *build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
+            *build_c4_metadata(seq_casual, out_cache_loc, topk),
+            *build_c128_metadata(page_table, seq_casual, out_cache_loc))
+
+
 def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ratio-128 fields (SPEC §3.5).

@@ -63,14 +63,7 @@ def test_metadata_chain_matches_reference(device, name):
 
 def _reference_chain(step, req_to_token, full_to_swa, topk):
     """Outputs of the five reference builders of a step, in ``dsv4::step_metadata`` order."""
-    req_rows, seq_lens, extend_lens, out_cache_loc = step
-    expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    req_of_row, seq_casual = expanded[:2]
-    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
-    return (*expanded, page_table,
-            *ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-            *ref.build_c4_metadata(seq_casual, out_cache_loc, topk),
-            *ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
+    return ref.step_metadata(*step, req_to_token, ref.page_map(req_to_token), full_to_swa, topk)
 
 
 @pytest.mark.parametrize("name", list(STEPS))
