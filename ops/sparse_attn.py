@@ -20,12 +20,13 @@ from ..config import HEAD_DIM, INDEX_ALIGN
 from ..reference import sparse_attn as ref
 from ._checks import INDEX_DTYPES, check_multiple_of, check_same_rows, check_tensor
 from ._cuda import HAS_TRITON, cuda_kernel
-from .kernels import flashmla
 from .kv_cache import check_model1_cache
 
 if HAS_TRITON:
+    from .kernels import flashmla
     from .kernels import sparse_attn as kernels
 
+FLASHMLA_MAX_HEADS = 128
 IMPL_ENV = "DSV4_ATTN_IMPL"  # "flashmla" routes the CUDA kernel of dsv4::sparse_attn to FlashMLA
 
 
@@ -79,8 +80,15 @@ def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_
             extra_indices, extra_lengths, attn_sink, softmax_scale)
     _check(*args[:-1])
     if os.environ.get(IMPL_ENV) == "flashmla":
+        _check_flashmla_heads(q)
         return flashmla.flashmla_sparse_attn(*args)
     return kernels.launch_sparse_attn(*args)
+
+
+def _check_flashmla_heads(q: torch.Tensor) -> None:
+    if q.shape[1] > FLASHMLA_MAX_HEADS:
+        raise ValueError(f"dsv4.sparse_attn_flashmla: q has {q.shape[1]} heads; FlashMLA supports at most "
+                         f"{FLASHMLA_MAX_HEADS}")
 
 
 @torch.library.custom_op("dsv4::sparse_attn_flashmla", mutates_args=(), device_types="cuda")
@@ -92,6 +100,7 @@ def sparse_attn_flashmla(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size
     """``dsv4::sparse_attn`` computed by FlashMLA (H <= 128); same outputs and semantics."""
     _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
            extra_indices, extra_lengths, attn_sink)
+    _check_flashmla_heads(q)
     return flashmla.flashmla_sparse_attn(q, swa_cache, swa_page_size, swa_indices, swa_lengths,
                                          extra_cache, extra_page_size, extra_indices, extra_lengths,
                                          attn_sink, softmax_scale)
@@ -102,5 +111,5 @@ def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_
       extra_indices, extra_lengths, attn_sink, softmax_scale):
     _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
            extra_indices, extra_lengths, attn_sink)
-    flashmla.padded_heads(q.shape[1])  # H > 128 fails at trace time too
+    _check_flashmla_heads(q)  # fails at trace time too
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)

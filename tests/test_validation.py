@@ -95,6 +95,12 @@ def test_sparse_attn_rejects_bad_arguments(change, exc, match):
         ops.sparse_attn(**{**_attn_args(), **change})
 
 
+def test_sparse_attn_flashmla_rejects_too_many_heads_at_trace_time():
+    meta = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in _attn_args(h=192).items()}
+    with pytest.raises(ValueError, match="192 heads; FlashMLA supports at most 128"):
+        torch.ops.dsv4.sparse_attn_flashmla(**meta)
+
+
 def test_store_kv_rejects_and_writes_nothing():
     cache = torch.zeros(2, layout.model1_page_bytes(256), dtype=torch.uint8)
     k = torch.randn(3, 512).bfloat16()

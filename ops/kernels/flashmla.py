@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 
 import torch
+import triton
+import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM
@@ -46,16 +48,38 @@ def cache_view(cache: torch.Tensor, page_size: int) -> torch.Tensor:
                             cache.storage_offset())
 
 
+@triton.jit
+def _sanitize_kernel(idx_ptr, len_ptr, out_idx_ptr, out_len_ptr, width, capacity, stride_idx,
+                     BLOCK: tl.constexpr):
+    """Grid ``[T]``: one row's indices -> int32 with every index outside ``[0, capacity)`` set to -1,
+    and its length clamped to ``[0, width]``."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.load(len_ptr + row)
+    tl.store(out_len_ptr + row, tl.minimum(tl.maximum(n, 0), width).to(tl.int32))
+    for c0 in range(0, width, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        idx = tl.load(idx_ptr + row * stride_idx + c, mask=c < width, other=-1)
+        ok = (idx >= 0) & (idx < capacity)
+        tl.store(out_idx_ptr + row * width + c, tl.where(ok, idx, -1).to(tl.int32), mask=c < width)
+
+
 def _index_set(indices: torch.Tensor, lengths: torch.Tensor, capacity: int):
-    """``indices [T, K]`` -> ``[T, 1, K]`` int32 with every invalid index -1; lengths clamped."""
-    ok = (indices >= 0) & (indices < capacity)
-    idx = torch.where(ok, indices, -1).to(torch.int32).unsqueeze(1)
-    return idx, lengths.clamp(0, indices.shape[1]).to(torch.int32)
+    """``indices [T, K]`` -> ``[T, 1, K]`` int32 with every invalid index -1, lengths clamped to
+    ``[0, K]`` int32: one launch (element-wise torch ops cost one launch each)."""
+    T, K = indices.shape
+    idx = torch.empty(T, 1, K, dtype=torch.int32, device=indices.device)
+    lens = torch.empty(T, dtype=torch.int32, device=indices.device)
+    if T and K:
+        indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+        _sanitize_kernel[(T,)](indices, lengths.contiguous(), idx, lens, K, capacity, indices.stride(0),
+                               BLOCK=min(1024, triton.next_power_of_2(K)), num_warps=4)
+    elif T:
+        lens.zero_()
+    return idx, lens
 
 
 def padded_heads(num_heads: int) -> int:
-    if num_heads > 128:
-        raise ValueError(f"FlashMLA supports at most 128 heads, got {num_heads}")
+    """FlashMLA's head count for ``num_heads <= 128`` (checked by the op)."""
     return 64 if num_heads <= 64 else 128
 
 
