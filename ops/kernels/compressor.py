@@ -1,23 +1,28 @@
 """Triton kernels of ``dsv4::compress_kv`` (SPEC §4.2, §2.5): window pooling + RMSNorm + RoPE
 (+ Hadamard), then the state-ring update.
 
-Two launches, because a long prefill writes ring rows that other rows of the same step still read:
+Two launches, because a long prefill writes ring rows that other rows of the same step still read
+(every pool read must be done before the first ring write):
 
-* ``_pool_kernel`` (grid ``[T]``): rows completing a window (``(p + 1) % r == 0``) gather their
-  ``S`` slots (8 for r = 4, r otherwise) — in-step tokens from this step's ``kv`` / ``score`` (+ ape),
-  earlier ones from the ring — and compute ``softmax_slot(score) . kv`` per channel with an online
-  softmax over slot blocks, newest block first (it holds the row's own token, so the running max
-  is finite from the first block on). Then ``bf16 -> RMSNorm * w -> bf16 -> RoPE -> bf16
-  [-> Hadamard -> bf16]``, the same rounding points as the reference. Other rows output zeros
-  (their out slot is -1: never stored). Work per row is O(S * d).
-* ``_ring_write_kernel`` (grid ``[T]``): rows among their request's last ``ring`` positions
-  write ``[kv | score + ape]`` to ring row ``req * ring + p % ring``; the others are skipped.
+* ``_pool_kernel`` (grid ``[T / G, d / CB]``): a program walks ``G`` rows for ``CB`` channels
+  (``_pool_shape``: c4 one row x all d channels, c128 8 rows x 16 channels). Rows completing a
+  window (``(p + 1) % r == 0``) gather their ``S`` slots (8 for r = 4, r otherwise) — in-step
+  tokens from this step's ``kv`` / ``score`` (+ ape), earlier ones from the ring — and compute
+  ``softmax_slot(score) . kv`` per channel with an online softmax over slot blocks, newest block
+  first (it holds the row's own token, so the running max is finite from the first block on),
+  into the fp32 workspace ``[T, d]``; other rows are skipped.
+* ``_finish_kernel`` (grid ``[T]``): window rows read their pooled row and apply ``bf16 ->
+  RMSNorm * w -> bf16 -> RoPE -> bf16 [-> Hadamard -> bf16]``, the same rounding points as the
+  reference; other rows store zeros (their out slot is -1: never stored). Rows among their
+  request's last ``ring`` positions also write ``[kv | score + ape]`` to ring row
+  ``req * ring + p % ring`` (loaded first, so those loads overlap the entry's).
 
-Channels are processed as even / odd halves (columns ``2k`` and ``2k + 1``), so a RoPE pair sits in
-the same lane of two vectors and the first Hadamard butterfly is a sum / difference:
+The finish stage takes channels as even / odd halves (columns ``2k`` and ``2k + 1``), so a RoPE
+pair sits in the same lane of two vectors and the first Hadamard butterfly is a sum / difference:
 ``WHT_d(y)[2m + b] = sum_k (y[2k] + (-1)^b y[2k+1]) H_{d/2}[k, m]``.
 
-Shape legend: T = rows, d = entry dim, Wc = coff * d, S = window slots, R = request rows.
+Shape legend: T = rows, d = entry dim, Wc = coff * d, S = window slots, R = request rows,
+G / CB = rows / channels per pool program.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import triton.language as tl
 from ...reference.compressor import window_slots
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_SLOT_BLOCK = 16  # slots per online-softmax step (c128: 8 steps of [16, d/2] tiles)
+_SLOT_BLOCK = 16  # slots per online-softmax step (c128: 8 steps of [16, CB] tiles)
 
 
 @triton.jit
@@ -57,71 +62,89 @@ def _to_bf16(x, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _pool_cols(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, row_start, cols,
-               stride_kv, stride_score, stride_ape, stride_state,
-               D: tl.constexpr, WC: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
-               S: tl.constexpr, SB: tl.constexpr):
-    """Pooled fp32 channels ``cols [d/2]`` of the window ending at position ``p`` (row ``row``)."""
-    m = tl.full([D // 2], float("-inf"), tl.float32)
-    den = tl.zeros([D // 2], dtype=tl.float32)
-    acc = tl.zeros([D // 2], dtype=tl.float32)
-    for i in range(S // SB):
-        s = (S // SB - 1 - i) * SB + tl.arange(0, SB)  # newest block first
-        t = p - (S - 1) + s  # [SB] token positions
-        live = t >= 0
-        in_step = live & (t >= row_start)
-        from_ring = live & (t < row_start)
-        tt = tl.maximum(t, 0)
-        if RATIO == 4:  # slots 0..3: overlap half [0, d); slots 4..7: own half [d, 2d)
-            c = cols[None, :] + (D * (s >= S // 2).to(tl.int32))[:, None]
-        else:
-            c = cols[None, :] + 0 * s[:, None]
-        brow = (row - (p - tt)).to(tl.int64)  # in-step rows of a request are consecutive
-        rrow = (req * RING + tt % RING).to(tl.int64)
-        step_m, ring_m = in_step[:, None], from_ring[:, None]
-        a = tl.load(kv_ptr + brow[:, None] * stride_kv + c, mask=step_m, other=0.0)
-        a += tl.load(state_ptr + rrow[:, None] * stride_state + c, mask=ring_m, other=0.0)
-        sc = tl.load(score_ptr + brow[:, None] * stride_score + c, mask=step_m, other=0.0)
-        sc += tl.load(ape_ptr + (tt % RATIO)[:, None] * stride_ape + c, mask=step_m, other=0.0)
-        sc += tl.load(state_ptr + rrow[:, None] * stride_state + WC + c, mask=ring_m, other=0.0)
-        sc = tl.where(live[:, None], sc, float("-inf"))
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(sc - m_new[None, :])
-        den = den * alpha + tl.sum(e, axis=0)
-        acc = acc * alpha + tl.sum(e * a, axis=0)
-        m = m_new
-    return tl.math.div_rn(acc, den)
+def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_ptr, ws_ptr, num_rows,
+                 stride_kv, stride_score, stride_ape, stride_state,
+                 D: tl.constexpr, WC: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
+                 S: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, G: tl.constexpr):
+    """Pooled fp32 channels ``[CB]`` (block ``program_id(1)``) of the windows ending on rows
+    ``program_id(0) * G + [0, G)``, into ``ws [T, d]``."""
+    cols = tl.program_id(1) * CB + tl.arange(0, CB)
+    first = tl.program_id(0) * G
+    for j in range(tl.minimum(G, num_rows - first)):
+        row = first + j
+        p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
+        req = tl.load(req_ptr + row).to(tl.int32)
+        row_start = tl.load(start_ptr + row).to(tl.int32)
+        if (p + 1) % RATIO == 0:
+            m = tl.full([CB], float("-inf"), tl.float32)
+            den = tl.zeros([CB], dtype=tl.float32)
+            acc = tl.zeros([CB], dtype=tl.float32)
+            for i in tl.static_range(S // SB):  # unrolled: later blocks load while earlier ones reduce
+                s = (S // SB - 1 - i) * SB + tl.arange(0, SB)  # newest block first
+                t = p - (S - 1) + s  # [SB] token positions
+                live = t >= 0
+                in_step = live & (t >= row_start)
+                tt = tl.maximum(t, 0)
+                if RATIO == 4:  # slots 0..3: overlap half [0, d); slots 4..7: own half [d, 2d)
+                    c = cols[None, :] + (D * (s >= S // 2).to(tl.int32))[:, None]
+                else:
+                    c = cols[None, :]
+                brow = (row - (p - tt)).to(tl.int64)  # in-step rows of a request are consecutive
+                rrow = (req * RING + tt % RING).to(tl.int64)
+                step_m = in_step[:, None]
+                # one load per element for kv and for score: this step's row or the ring row
+                a = tl.load(tl.where(step_m, kv_ptr + brow[:, None] * stride_kv,
+                                     state_ptr + rrow[:, None] * stride_state) + c,
+                            mask=live[:, None], other=0.0)
+                sc = tl.load(tl.where(step_m, score_ptr + brow[:, None] * stride_score,
+                                      state_ptr + rrow[:, None] * stride_state + WC) + c,
+                             mask=live[:, None], other=float("-inf"))  # slots before position 0: weight 0
+                sc += tl.load(ape_ptr + (tt % RATIO)[:, None] * stride_ape + c, mask=step_m, other=0.0)
+                m_new = tl.maximum(m, tl.max(sc, axis=0))
+                alpha = tl.exp(m - m_new)
+                e = tl.exp(sc - m_new[None, :])
+                den = den * alpha + tl.sum(e, axis=0)
+                acc = acc * alpha + tl.sum(e * a, axis=0)
+                m = m_new
+            tl.store(ws_ptr + row.to(tl.int64) * D + cols, tl.math.div_rn(acc, den))
 
 
 @triton.jit
-def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_ptr, w_ptr,
-                 inv_freq_ptr, out_ptr, eps, stride_kv, stride_score, stride_ape, stride_state,
-                 stride_out, D: tl.constexpr, WC: tl.constexpr, RATIO: tl.constexpr,
-                 RING: tl.constexpr, S: tl.constexpr, SB: tl.constexpr, ROTATE: tl.constexpr,
-                 HSCALE: tl.constexpr, SOFT_BF16: tl.constexpr):
+def _finish_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr, w_ptr,
+                   inv_freq_ptr, ws_ptr, out_ptr, eps, stride_kv, stride_score, stride_ape,
+                   stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
+                   RATIO: tl.constexpr, RING: tl.constexpr, ROTATE: tl.constexpr,
+                   HSCALE: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """Entry ``out[row] [d] bf16`` from the pooled ``ws[row]``, then the row's ring write."""
     row = tl.program_id(0)
+    r64 = row.to(tl.int64)
+    p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
+    req = tl.load(req_ptr + row).to(tl.int32)
+    keep = p >= tl.load(end_ptr + row).to(tl.int32) - RING  # among the request's last `ring` positions
+    # the ring row's loads go first (masked, not branched): they are in flight during the entry
+    c = tl.arange(0, WC)
+    kv = tl.load(kv_ptr + r64 * stride_kv + c, mask=keep)
+    sc = tl.load(score_ptr + r64 * stride_score + c, mask=keep)
+    sc += tl.load(ape_ptr + (p % RATIO) * stride_ape + c, mask=keep)
     k = tl.arange(0, D // 2)
-    out_row = out_ptr + row.to(tl.int64) * stride_out
-    p = tl.load(seq_ptr + row).to(tl.int32) - 1
+    out_row = out_ptr + r64 * stride_out
     if (p + 1) % RATIO == 0:
-        req = tl.load(req_ptr + row).to(tl.int32)
-        start = tl.load(start_ptr + row).to(tl.int32)
-        ev = _pool_cols(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, start, 2 * k, stride_kv,
-                        stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
-        od = _pool_cols(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, start, 2 * k + 1, stride_kv,
-                        stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
+        # every load first (the compiler keeps source order around the norm's reductions)
+        ev = tl.load(ws_ptr + r64 * D + 2 * k)
+        od = tl.load(ws_ptr + r64 * D + 2 * k + 1)
+        w_ev = tl.load(w_ptr + 2 * k).to(tl.float32)
+        w_od = tl.load(w_ptr + 2 * k + 1).to(tl.float32)
+        f = k - (D // 2 - 32)  # RoPE on the last 64 dims: pairs k >= d/2 - 32
+        is_rope = f >= 0
+        freq = tl.load(inv_freq_ptr + tl.maximum(f, 0), mask=is_rope, other=0.0)
         # RMSNorm of the bf16-rounded entry, times the weight, rounded to bf16 (reference order)
         ev = _to_bf16(ev, SOFT_BF16).to(tl.float32)
         od = _to_bf16(od, SOFT_BF16).to(tl.float32)
         inv_rms = tl.rsqrt((tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) * (1.0 / D) + tl.cast(eps, tl.float32))
-        ev = _to_bf16(ev * inv_rms * tl.load(w_ptr + 2 * k).to(tl.float32), SOFT_BF16).to(tl.float32)
-        od = _to_bf16(od * inv_rms * tl.load(w_ptr + 2 * k + 1).to(tl.float32), SOFT_BF16).to(tl.float32)
-        # RoPE on the last 64 dims (pairs k >= d/2 - 32) at the window start p - r + 1
-        f = k - (D // 2 - 32)
-        is_rope = f >= 0
-        ang = tl.cast(p - RATIO + 1, tl.float32) * tl.load(inv_freq_ptr + tl.maximum(f, 0), mask=is_rope,
-                                                            other=0.0)
+        ev = _to_bf16(ev * inv_rms * w_ev, SOFT_BF16).to(tl.float32)
+        od = _to_bf16(od * inv_rms * w_od, SOFT_BF16).to(tl.float32)
+        # RoPE at the window start p - r + 1
+        ang = tl.cast(p - RATIO + 1, tl.float32) * freq
         cos, sin = tl.cos(ang), tl.sin(ang)
         ev, od = (_to_bf16(tl.where(is_rope, ev * cos - od * sin, ev), SOFT_BF16),
                   _to_bf16(tl.where(is_rope, ev * sin + od * cos, od), SOFT_BF16))
@@ -137,25 +160,23 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
         zero = tl.zeros([D // 2], dtype=tl.bfloat16)
         tl.store(out_row + 2 * k, zero)
         tl.store(out_row + 2 * k + 1, zero)
+    dst = state_ptr + (req * RING + p % RING).to(tl.int64) * stride_state
+    tl.store(dst + c, kv, mask=keep)
+    tl.store(dst + WC + c, sc, mask=keep)
 
 
-@triton.jit
-def _ring_write_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr,
-                       stride_kv, stride_score, stride_ape, stride_state,
-                       WC: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
-    p = tl.load(seq_ptr + row).to(tl.int32) - 1
-    if p >= tl.load(end_ptr + row).to(tl.int32) - RING:  # among the request's last `ring` positions
-        req = tl.load(req_ptr + row).to(tl.int32)
-        dst = state_ptr + (req * RING + p % RING).to(tl.int64) * stride_state
-        r64 = row.to(tl.int64)
-        for c0 in range(0, WC, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            cm = c < WC
-            tl.store(dst + c, tl.load(kv_ptr + r64 * stride_kv + c, mask=cm), mask=cm)
-            sc = tl.load(score_ptr + r64 * stride_score + c, mask=cm)
-            sc += tl.load(ape_ptr + (p % RATIO) * stride_ape + c, mask=cm)
-            tl.store(dst + WC + c, sc, mask=cm)
+def _pool_shape(ratio: int, d: int) -> tuple[int, int]:
+    """Rows G and channels CB per pool program. The slot reductions must not cross warps: a
+    barrier would hold back the next slot block's loads. c4: one program per row, its d / 128
+    warps split the channels and each thread holds all 8 slots ([8, d] tile, no shuffle). c128: a
+    window is 64x the work, too much to reserve in each of T programs; a one-warp program walks G
+    rows and pools those completing a window over 16 channels ([16, 16] tiles, 32 programs per
+    window at d = 512; at b = 256 decode all 1024 programs are resident at once). Under the
+    interpreter (about 1 ms per tl.sum / tl.max call) two channel blocks per row."""
+    rows = 1 if ratio == 4 else 8
+    if _INTERPRET:
+        return rows, d // 2
+    return rows, (d if ratio == 4 else 16)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -188,13 +209,17 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     out = torch.empty(num_rows, d, dtype=torch.bfloat16, device=kv.device)
     if num_rows == 0:
         return out
+    pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
     slots = window_slots(ratio)
+    sb = min(slots, _SLOT_BLOCK)
     strides = (kv.stride(0), score.stride(0), ape.stride(0), state.stride(0))
-    _pool_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_casual, row_start, norm_weight,
-                              inv_freq, out, eps, *strides, out.stride(0), D=d, WC=wc, RATIO=ratio,
-                              RING=ring, S=slots, SB=min(slots, _SLOT_BLOCK), ROTATE=rotate,
-                              HSCALE=1.0 / math.sqrt(d), SOFT_BF16=_INTERPRET, num_warps=4)
-    _ring_write_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_casual, row_end, *strides,
-                                    WC=wc, RATIO=ratio, RING=ring,
-                                    BLOCK=min(triton.next_power_of_2(wc), 1024), num_warps=4)
+    rows_per_prog, cb = _pool_shape(ratio, d)
+    _pool_kernel[(triton.cdiv(num_rows, rows_per_prog), d // cb)](
+        kv, score, ape, state, req_of_row, seq_lens_casual, row_start, pooled, num_rows, *strides, D=d,
+        WC=wc, RATIO=ratio, RING=ring, S=slots, SB=sb, CB=cb, G=rows_per_prog,
+        num_warps=max(1, cb // 128))  # each warp spans 128 channels (4 per thread) at most
+    _finish_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_casual, row_end, norm_weight,
+                                inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
+                                RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
+                                SOFT_BF16=_INTERPRET, num_warps=max(2, d // 128))  # fewest instructions
     return out

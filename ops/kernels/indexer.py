@@ -42,6 +42,7 @@ from .topk_select import launch_topk_select
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: more pages in flight)
+_MIN_SCAN_PAGES = 4  # pages per program at least (one row of 4096 pages: 1024 programs, not 4096)
 _WORKSPACE_ELEMS = 1 << 25  # fp32 logits per workspace chunk (128 MiB); longer batches loop over rows
 
 
@@ -151,7 +152,7 @@ def indexer_workspace(num_rows: int, capacity: int, device) -> tuple[torch.Tenso
     """Buffers of one chunk of rows: logits ``[C, capacity] fp32`` and the scan's per-split
     min / max ``[C, S, 2] fp32`` (``C`` rows bounded by ``_WORKSPACE_ELEMS``; ``S`` splits)."""
     chunk = max(1, min(num_rows, _WORKSPACE_ELEMS // capacity))
-    splits = max(1, min(capacity // layout.INDEX_PAGE_SIZE, triton.cdiv(_SCAN_PROGRAMS, chunk)))
+    splits = max(1, min(capacity // (_MIN_SCAN_PAGES * layout.INDEX_PAGE_SIZE), triton.cdiv(_SCAN_PROGRAMS, chunk)))
     return (torch.empty(chunk, capacity, dtype=torch.float32, device=device),
             torch.empty(chunk, splits, 2, dtype=torch.float32, device=device))
 

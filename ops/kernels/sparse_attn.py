@@ -59,18 +59,16 @@ def _slots(idx_row, m, in_set, capacity, P: tl.constexpr):
 
 
 @triton.jit
-def _dequant_nope(data, scale_word, valid, COL: tl.constexpr, WIDTH: tl.constexpr, BLOCK_N: tl.constexpr,
-                  DTYPE: tl.constexpr):
+def _dequant_nope(data, scale_word, valid, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
     """Nope columns ``[COL, COL + WIDTH)`` of ``BLOCK_N`` entries -> ``[BLOCK_N, WIDTH]`` DTYPE
     (0 for invalid entries). data: [BLOCK_N] pointers to each entry's data bytes; scale_word:
-    [BLOCK_N] int32, the entry's scale bytes 4w..4w+3 holding these tiles (little endian)."""
-    TILES: tl.constexpr = WIDTH // _TILE
-    raw = tl.load(data[:, None] + (tl.arange(0, WIDTH) + COL)[None, :], mask=valid[:, None], other=0)
-    e = (scale_word[:, None] >> (8 * ((tl.arange(0, TILES) + COL // _TILE) % 4))[None, :]) & 0xFF
-    scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
-    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    x = tl.reshape(x, (BLOCK_N, TILES, _TILE)) * scale[:, :, None]
-    return tl.reshape(x, (BLOCK_N, WIDTH)).to(DTYPE)
+    [BLOCK_N] int32, the entry's scale bytes 4w..4w+3 holding these tiles (little endian). The
+    scale is broadcast per column (a [BN, tiles, 64] reshape costs 14 % more on the H200)."""
+    cols = tl.arange(0, WIDTH) + COL
+    raw = tl.load(data[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    e = (scale_word[:, None] >> (8 * ((cols // _TILE) % 4))[None, :]) & 0xFF
+    scale = (e << 23).to(tl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
+    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(DTYPE)
 
 
 @triton.jit
@@ -152,9 +150,9 @@ def _sparse_attn_fwd(
         scale_words = scales.to(tl.pointer_type(tl.int32))  # scale bytes 0-3, 4-7
         s_lo = tl.load(scale_words, mask=valid, other=0)
         s_hi = tl.load(scale_words + 1, mask=valid, other=0)
-        k0 = _dequant_nope(data, s_lo, valid, 0, _G1, BLOCK_N, DTYPE)
-        k1 = _dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, BLOCK_N, DTYPE)
-        k2 = _dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, BLOCK_N, DTYPE)
+        k0 = _dequant_nope(data, s_lo, valid, 0, _G1, DTYPE)
+        k1 = _dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, DTYPE)
+        k2 = _dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, DTYPE)
         rope = (data + _NOPE).to(tl.pointer_type(tl.bfloat16))
         k3 = tl.load(rope[:, None] + tl.arange(0, _ROPE)[None, :], mask=valid[:, None], other=0.0).to(DTYPE)
 
@@ -196,28 +194,31 @@ def _sparse_attn_fwd(
 
 
 @triton.jit
-def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_POW2: tl.constexpr):
-    """Grid ``(T * H,)``: merge the S partial ``(out / l, lse2)`` of one (row, head), apply the
-    sink and write out [T, H, 512] bf16, lse [T, H] fp32 (natural log)."""
+def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_POW2: tl.constexpr,
+             COLS: tl.constexpr):
+    """Grid ``(T * H, 512 / COLS)``: merge the S partial ``(out / l, lse2)`` of one (row, head) over
+    ``COLS`` output columns, apply the sink and write out [T, H, 512] bf16 (and lse [T, H] fp32,
+    natural log, from the first column block). All splits are loaded at once: one memory round
+    trip, not one per split."""
     row_head = tl.program_id(0).to(tl.int64)
     head = row_head % num_heads
     first = (row_head // num_heads) * num_splits * num_heads + head  # split 0 of this (row, head)
     sp = tl.arange(0, SPLITS_POW2)
-    part = tl.load(part_lse + first + sp * num_heads, mask=sp < num_splits, other=float("-inf"))
+    has = sp < num_splits
+    part = tl.load(part_lse + first + sp * num_heads, mask=has, other=float("-inf"))
+    d = tl.program_id(1) * COLS + tl.arange(0, COLS)
+    parts = tl.load(part_out + (first + sp * num_heads)[:, None] * _DIM + d[None, :], mask=has[:, None], other=0.0)
     m2 = tl.max(part, 0)
     m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
     w = tl.exp2(part - m_safe)  # 0 for splits without keys (their part_out is 0)
     total = tl.sum(w, 0)
-    d = tl.arange(0, _DIM)
-    acc = tl.zeros((_DIM,), tl.float32)
-    for s in range(num_splits):
-        ws = tl.sum(tl.where(sp == s, w, 0.0), 0)
-        acc += ws * tl.load(part_out + (first + s * num_heads) * _DIM + d)
+    acc = tl.sum(w[:, None] * parts, 0)
     empty = total == 0.0
     lse2 = tl.where(empty, 0.0, m_safe + tl.log2(total))
     gate = 1.0 / (1.0 + tl.exp2(tl.load(sink + head) * _LOG2E - lse2))
     tl.store(out + row_head * _DIM + d, tl.where(empty, 0.0, acc * (gate / total)).to(tl.bfloat16))
-    tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * _LN2))
+    if tl.program_id(1) == 0:
+        tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * _LN2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -292,6 +293,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
         num_warps=8, num_stages=num_stages,  # 3 stages: indices, then entry bytes, then math
     )
     if splits > 1:
-        _combine[(T * H,)](part_out, part_lse, attn_sink, out, lse, H, splits,
-                           SPLITS_POW2=triton.next_power_of_2(splits), num_warps=4)
+        splits_pow2 = triton.next_power_of_2(splits)
+        cols = min(128, max(16, 4096 // splits_pow2))  # [S, cols] fp32 tile: <= 32 registers per thread
+        _combine[(T * H, HEAD_DIM // cols)](part_out, part_lse, attn_sink, out, lse, H, splits,
+                                            SPLITS_POW2=splits_pow2, COLS=cols, num_warps=4)
     return out, lse
