@@ -270,9 +270,10 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     has_extra = extra_cache is not None
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
     num_sms = _num_sms(q.device)
-    # H200: 64-key blocks are 6-11 % faster once rows fill the SMs, 32-key blocks win when a few
-    # rows are split (b = 1: 18.7 vs 22.0 µs)
-    block_n = block_n or (64 if T * head_blocks >= num_sms else 32)
+    # H200: 64-key blocks are 6-14 % faster once rows (nearly) fill the SMs; 32-key blocks win
+    # when rows are few and split 3+ ways (b = 1: 14.9 vs 20 µs)
+    if block_n is None:
+        block_n = 64 if choose_splits(T, head_blocks, width, 32, num_sms) <= 2 else 32
     splits = num_splits or choose_splits(T, head_blocks, width, block_n, num_sms)
     if splits > 1:
         part_out = torch.empty(T, splits, H, HEAD_DIM, dtype=torch.float32, device=q.device)
