@@ -295,7 +295,7 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     )
     if splits > 1:
         splits_pow2 = triton.next_power_of_2(splits)
-        cols = min(128, max(16, 4096 // splits_pow2))  # [S, cols] fp32 tile: <= 32 registers per thread
+        cols = min(HEAD_DIM, max(16, 4096 // splits_pow2))  # [S, cols] fp32 tile: <= 32 registers per thread
         _combine[(T * H, HEAD_DIM // cols)](part_out, part_lse, attn_sink, out, lse, H, splits,
                                             SPLITS_POW2=splits_pow2, COLS=cols, num_warps=4)
     return out, lse
