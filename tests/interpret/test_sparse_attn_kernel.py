@@ -49,6 +49,10 @@ def test_splits_agree(device):
     """Split counts (including more splits than key blocks) give the same result."""
     inp = _inputs(device, "c4", 128, heads=8, seed=1)
     base_out, base_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, block_n=64)
-    out, lse = K.launch_sparse_attn(*inp.args(), num_splits=7, block_n=64)  # 7 > 4 key blocks
-    torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
+    # 7 > 4 key blocks (one combine program per row and head); 40 splits: the combine splits
+    # each row's 512 columns over 8 programs to bound its [splits, columns] tile
+    # (all results kept alive: a freed output's memory must not be reused by the next launch)
+    results = [K.launch_sparse_attn(*inp.args(), num_splits=splits, block_n=64) for splits in (40, 7)]
+    for out, lse in results:
+        torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
