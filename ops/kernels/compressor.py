@@ -30,6 +30,7 @@ G / CB = rows / channels per pool program.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -38,6 +39,7 @@ import triton
 import triton.language as tl
 
 from ...reference.compressor import window_slots
+from ._tensors import unit_stride
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _PDL_MAX_ROWS = 1024  # decode / verify batches; long prefills run faster without PDL
@@ -199,11 +201,6 @@ def _pool_shape(ratio: int, d: int) -> tuple[int, int]:
     return rows, (d if ratio == 4 else 16)
 
 
-def _rows(x: torch.Tensor) -> torch.Tensor:
-    """Unit stride on the last dim (a no-op for the usual contiguous inputs)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                        req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
                        row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
@@ -228,7 +225,7 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
         raise ValueError(f"compress_kv kernel: rotate needs d <= 128, got {d}")
     if state.stride(-1) != 1:
         raise ValueError("compress_kv kernel: state must have a unit last-dim stride")
-    kv, score, ape = _rows(kv), _rows(score), _rows(ape)
+    kv, score, ape = unit_stride(kv), unit_stride(score), unit_stride(ape)
     req_of_row, seq_lens_casual = req_of_row.contiguous(), seq_lens_casual.contiguous()
     row_start, row_end = row_start.contiguous(), row_end.contiguous()
     norm_weight, inv_freq = norm_weight.contiguous(), inv_freq.contiguous()
@@ -255,6 +252,7 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     return out
 
 
+@functools.lru_cache(maxsize=None)
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled CUDA kernels on sm_90+ (not the interpreter)."""
     return not _INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM
+from ._tensors import unit_stride
 
 
 @functools.lru_cache(maxsize=None)
@@ -70,7 +71,7 @@ def _index_set(indices: torch.Tensor, lengths: torch.Tensor, capacity: int):
     idx = torch.empty(T, 1, K, dtype=torch.int32, device=indices.device)
     lens = torch.empty(T, dtype=torch.int32, device=indices.device)
     if T and K:
-        indices = indices if indices.stride(-1) == 1 else indices.contiguous()
+        indices = unit_stride(indices)
         _sanitize_kernel[(T,)](indices, lengths.contiguous(), idx, lens, K, capacity, indices.stride(0),
                                BLOCK=min(1024, triton.next_power_of_2(K)), num_warps=4)
     elif T:

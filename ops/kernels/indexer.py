@@ -36,6 +36,7 @@ import triton.language as tl
 
 from ... import layout
 from ...config import INDEX_HEAD_DIM
+from ._tensors import unit_stride
 from .compressor import hadamard_pm1
 from .kv_cache import _SOFT_FP8, _to_e4m3_bits
 from .topk_select import launch_topk_select
@@ -90,8 +91,7 @@ def launch_indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: 
     inv_freq: [32] fp32. Validated by the op (``ops/indexer.py::_check_prepare``).
     """
     num_rows, num_heads, _ = q.shape
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    weights = weights if weights.stride(-1) == 1 else weights.contiguous()
+    q, weights = unit_stride(q), unit_stride(weights)
     q_fp8 = torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
     w = torch.empty(num_rows, num_heads, dtype=torch.float32, device=q.device)
     if num_rows == 0 or num_heads == 0:
@@ -170,8 +170,7 @@ def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: tor
     if index_cache.stride(-1) != 1:
         raise ValueError("indexer_topk kernel: index_cache pages must be contiguous bytes")
     q_u8 = q_fp8.view(torch.uint8)
-    q_u8 = q_u8 if q_u8.stride(-1) == 1 else q_u8.contiguous()
-    w = w if w.stride(-1) == 1 else w.contiguous()
+    q_u8, w = unit_stride(q_u8), unit_stride(w)
     scales = index_cache.view(torch.float32)  # [N_pages, 2112]: the fp32 scales live at 2048 + i
     splits = minmax.shape[1]
     _logits_kernel[(rows, splits)](

@@ -28,6 +28,7 @@ import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from ._tensors import unit_stride
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
@@ -235,11 +236,6 @@ def choose_splits(num_rows: int, num_head_blocks: int, width: int, block_n: int,
     return max(1, min(num_sms // programs, triton.cdiv(width, block_n)))
 
 
-def _unit_stride(t: torch.Tensor) -> torch.Tensor:
-    """Kernels index the last dim with stride 1 (other strides are passed)."""
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
                        swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
                        extra_cache: torch.Tensor | None, extra_page_size: int,
@@ -257,9 +253,9 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     """
     T, H, _ = q.shape
     q, swa_cache, swa_indices, swa_lengths, attn_sink = map(
-        _unit_stride, (q, swa_cache, swa_indices, swa_lengths, attn_sink))
+        unit_stride, (q, swa_cache, swa_indices, swa_lengths, attn_sink))
     if extra_cache is not None:
-        extra_cache, extra_indices, extra_lengths = map(_unit_stride,
+        extra_cache, extra_indices, extra_lengths = map(unit_stride,
                                                         (extra_cache, extra_indices, extra_lengths))
     out = torch.empty(T, H, HEAD_DIM, dtype=torch.bfloat16, device=q.device)
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
