@@ -115,9 +115,11 @@ def sweep_configs(inp: AttnInputs):
     """(label, launcher kwargs) for --sweep: block sizes x stages, and split counts around the
     shape-based choice."""
     rows, heads, _ = inp.q.shape
-    head_blocks = -(-heads // 64)
+    num_sms = K._num_sms(inp.q.device)
+    head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
+    head_blocks = -(-heads // head_block)
     for block_n, stages in SWEEP:
-        auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, K._num_sms(inp.q.device))
+        auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, num_sms)
         for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
             kw = dict(block_n=block_n, num_stages=stages, num_splits=splits)
             yield f"bn{block_n}_st{stages}_s{splits}", kw

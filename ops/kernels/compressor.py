@@ -5,7 +5,7 @@ Two launches, because a long prefill writes ring rows that other rows of the sam
 (every pool read must be done before the first ring write):
 
 * ``_pool_kernel`` (grid ``[T / G, d / CB]``): a program walks ``G`` rows for ``CB`` channels
-  (``_pool_shape``: c4 one row x all d channels, c128 8 rows x 16 channels). Rows completing a
+  (``_pool_config``: by compressor and decode / prefill size). Rows completing a
   window (``(p + 1) % r == 0``) gather their ``S`` slots (8 for r = 4, r otherwise) — in-step
   tokens from this step's ``kv`` / ``score`` (+ ape), earlier ones from the ring — and compute
   ``softmax_slot(score) . kv`` per channel with an online softmax over slot blocks, newest block
@@ -30,20 +30,16 @@ G / CB = rows / channels per pool program.
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 
 from ...reference.compressor import window_slots
-from ._tensors import unit_stride
+from ._launch import INTERPRET, has_pdl, unit_stride
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-_PDL_MAX_ROWS = 1024  # decode / verify batches; long prefills run faster without PDL
-_SLOT_BLOCK = 16  # slots per online-softmax step (c128: 8 steps of [16, CB] tiles)
+_DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills above
 
 
 @triton.jit
@@ -76,7 +72,7 @@ def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, row_start, 
     m = tl.full(cols.shape, float("-inf"), tl.float32)
     den = tl.zeros(cols.shape, dtype=tl.float32)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
-    for i in tl.static_range(S // SB):  # unrolled: later blocks load while earlier ones reduce
+    for i in tl.static_range(S // SB):  # unrolled; later blocks' loads only partly overlap earlier reductions
         s = (S // SB - 1 - i) * SB + tl.arange(0, SB)  # newest block first
         t = p - (S - 1) + s  # [SB] token positions
         live = t >= 0
@@ -117,16 +113,22 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
-    first = tl.program_id(0) * G
-    for j in range(tl.minimum(G, num_rows - first)):
-        row = first + j
-        p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
-        req = tl.load(req_ptr + row).to(tl.int32)
-        row_start = tl.load(start_ptr + row).to(tl.int32)
-        if (p + 1) % RATIO == 0:
-            pooled = _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, row_start, cols,
-                                  stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
-            tl.store(ws_ptr + row.to(tl.int64) * D + cols, pooled)
+    rows = tl.program_id(0) * G + tl.arange(0, G)
+    live = rows < num_rows
+    # the G rows' scalars in one memory round trip, then a loop over the (few) window rows only:
+    # each of its scalars is a masked register reduction, no memory access
+    ps = tl.load(seq_ptr + rows, mask=live, other=0).to(tl.int32) - 1
+    reqs = tl.load(req_ptr + rows, mask=live, other=0).to(tl.int32)
+    starts = tl.load(start_ptr + rows, mask=live, other=0).to(tl.int32)
+    windows = (live & ((ps + 1) % RATIO == 0)).to(tl.int32)
+    rank = tl.cumsum(windows, 0) * windows  # k + 1 on the k-th window row, 0 elsewhere
+    for k in range(tl.sum(windows, 0)):
+        this = rank == k + 1
+        row = tl.sum(tl.where(this, rows, 0), 0)
+        pooled = _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, tl.sum(tl.where(this, ps, 0), 0),
+                              tl.sum(tl.where(this, reqs, 0), 0), tl.sum(tl.where(this, starts, 0), 0), cols,
+                              stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
+        tl.store(ws_ptr + row.to(tl.int64) * D + cols, pooled)
 
 
 @triton.jit
@@ -187,18 +189,30 @@ def _finish_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_
     tl.store(dst + WC + c, sc, mask=keep)
 
 
-def _pool_shape(ratio: int, d: int) -> tuple[int, int]:
-    """Rows G and channels CB per pool program. The slot reductions must not cross warps: a
-    barrier would hold back the next slot block's loads. c4: one program per row, its d / 128
-    warps split the channels and each thread holds all 8 slots ([8, d] tile, no shuffle). c128: a
-    window is 64x the work, too much to reserve in each of T programs; a one-warp program walks G
-    rows and pools those completing a window over 16 channels ([16, 16] tiles, 32 programs per
-    window at d = 512; at b = 256 decode all 1024 programs are resident at once). Under the
-    interpreter (about 1 ms per tl.sum / tl.max call) two channel blocks per row."""
-    rows = 1 if ratio == 4 else 8
-    if _INTERPRET:
-        return rows, d // 2
-    return rows, (d if ratio == 4 else 16)
+def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]:
+    """(rows G, channels CB, slots per online-softmax block SB, warps) of a pool program, by
+    compressor and launch size (decode / verify batches up to ``_DECODE_MAX_ROWS`` rows, else
+    prefill). H200, b = 256 decode / T = 4096 prefill, µs for the whole op (bench_ops.py):
+
+    * c4 (8 slots, one block): decode one row per program, each of two programs half of the
+      channels (d = 128: 4.2 against 4.8 for one program per row); prefill two rows per program
+      (c4 attention 14.5 against 15.4).
+    * c128: a program walks G rows and pools the windows among them over 16 channels (32 programs
+      per window at d = 512). Decode: 16 rows, the whole window as one [128, 16] tile over four
+      warps, so all its loads issue at once (3.9, against 7.6 for eight dependent [16, 16]
+      blocks). Prefill: windows are 1 row in 128, so fewer, larger programs win: 128 rows,
+      one warp, [16, 16] blocks (11.8 against 17.2 for the decode shape).
+
+    Under the interpreter (about 1 ms per tl.sum / tl.max call) two channel blocks per window, and
+    c128 keeps the 16-slot online softmax of the prefill shape (one slot block is its special case)."""
+    slots = window_slots(ratio)
+    decode = num_rows <= _DECODE_MAX_ROWS
+    if INTERPRET:
+        return (1 if ratio == 4 else 8), d // 2, min(slots, 16), 1
+    if ratio == 4:
+        rows, cb = (1, d // 2) if decode else (2, d)
+        return rows, cb, slots, max(1, cb // 128)
+    return (16, 16, slots, 4) if decode else (128, 16, 16, 1)
 
 
 def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
@@ -213,7 +227,7 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
 
     ``pdl``: launch both kernels with programmatic dependent launch (sm_90+): the pool waits for
     the previous kernel, then lets the finish launch, whose programs load their ring row and wait
-    for the pool. Default (None): on sm_90+ for up to ``_PDL_MAX_ROWS`` rows (H200, b = 256
+    for the pool. Default (None): on sm_90+ for up to ``_DECODE_MAX_ROWS`` rows (H200, b = 256
     decode: c4 6.2 -> 5.0 µs, c4 indexer 5.9 -> 4.8, c128 8.4 -> 7.5; a 4096-row prefill is
     faster without it).
     """
@@ -233,26 +247,19 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     if num_rows == 0:
         return out
     if pdl is None:
-        pdl = num_rows <= _PDL_MAX_ROWS and _has_pdl(kv.device)
+        pdl = num_rows <= _DECODE_MAX_ROWS and has_pdl(kv.device)
     slots = window_slots(ratio)
-    sb = min(slots, _SLOT_BLOCK)
     strides = (kv.stride(0), score.stride(0), ape.stride(0), state.stride(0))
     pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
-    rows_per_prog, cb = _pool_shape(ratio, d)
+    rows_per_prog, cb, sb, pool_warps = _pool_config(ratio, d, num_rows)
     _pool_kernel[(triton.cdiv(num_rows, rows_per_prog), d // cb)](
         kv, score, ape, state, req_of_row, seq_lens_casual, row_start, pooled, num_rows, *strides, D=d,
         WC=wc, RATIO=ratio, RING=ring, S=slots, SB=sb, CB=cb, G=rows_per_prog, PDL=pdl,
-        num_warps=max(1, cb // 128), launch_pdl=pdl)  # each warp: <= 128 channels
+        num_warps=pool_warps, launch_pdl=pdl)
     _finish_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_casual, row_end,
                                 norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
                                 RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
-                                SOFT_BF16=_INTERPRET, PDL=pdl,
+                                SOFT_BF16=INTERPRET, PDL=pdl,
                                 num_warps=max(2, d // 128),  # fewest instructions
                                 launch_pdl=pdl)
     return out
-
-
-@functools.lru_cache(maxsize=None)
-def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: compiled CUDA kernels on sm_90+ (not the interpreter)."""
-    return not _INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM
-from ._tensors import unit_stride
+from ._launch import unit_stride
 
 
 @functools.lru_cache(maxsize=None)

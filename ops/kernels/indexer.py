@@ -28,7 +28,6 @@ capacity = NP * 64 entries addressable by a row.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -36,12 +35,11 @@ import triton.language as tl
 
 from ... import layout
 from ...config import INDEX_HEAD_DIM
-from ._tensors import unit_stride
+from ._launch import INTERPRET, unit_stride
 from .compressor import hadamard_pm1
-from .kv_cache import _SOFT_FP8, _to_e4m3_bits
+from .kv_cache import _to_e4m3_bits
 from .topk_select import launch_topk_select
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: more pages in flight)
 _MIN_SCAN_PAGES = 4  # pages per program at least (one row of 4096 pages: 1024 programs, not 4096)
 _WORKSPACE_ELEMS = 1 << 25  # fp32 logits per workspace chunk (128 MiB); longer batches loop over rows
@@ -101,8 +99,8 @@ def launch_indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: 
     _prepare_q_kernel[(num_rows, triton.cdiv(num_heads, bh))](
         q, weights, positions.contiguous(), inv_freq.contiguous(), q_u8, w, weight_scale, num_heads,
         q.stride(0), q.stride(1), weights.stride(0), q_u8.stride(0), q_u8.stride(1), w.stride(0),
-        BH=bh, HSCALE=1.0 / math.sqrt(INDEX_HEAD_DIM), DOT_PRECISION="ieee" if _INTERPRET else "tf32x3",
-        SOFT_FP8=_SOFT_FP8, num_warps=4)
+        BH=bh, HSCALE=1.0 / math.sqrt(INDEX_HEAD_DIM), DOT_PRECISION="ieee" if INTERPRET else "tf32x3",
+        SOFT_FP8=INTERPRET, num_warps=4)
     return q_fp8, w
 
 
@@ -178,7 +176,7 @@ def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: tor
         splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0), index_cache.stride(0),
         scales.stride(0), ws.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
         PAGE=layout.INDEX_PAGE_SIZE, SCALE_OFF=layout.INDEX_PAGE_SIZE * INDEX_HEAD_DIM // 4,
-        DOT_F32=_INTERPRET, num_warps=4, num_stages=6)  # H200: 80% of HBM at 128k-1M (60-66% with 3-4 stages)
+        DOT_F32=INTERPRET, num_warps=4, num_stages=6)  # H200: 80% of HBM at 128k-1M (60-66% with 3-4 stages)
 
 
 def launch_indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,

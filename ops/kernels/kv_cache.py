@@ -12,18 +12,17 @@ the reference's bytes. A row with a negative slot writes nothing: every store is
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
 from ... import layout as L
 from ...config import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM, ROPE_DIM
+from ._launch import INTERPRET
 
-# The interpreter's fp32 -> fp8 cast mis-rounds when the mantissa carries into the exponent (it can
-# halve a value), so there the cast is done in integer arithmetic, which is exact everywhere.
-_SOFT_FP8 = os.environ.get("TRITON_INTERPRET") == "1"
+# SOFT_FP8 (under the interpreter): its fp32 -> fp8 cast mis-rounds when the mantissa carries into
+# the exponent (it can halve a value), so there the cast is done in integer arithmetic, which is
+# exact everywhere.
 
 
 @triton.jit
@@ -170,7 +169,7 @@ def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, p
         return
     _store_kv_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        FP8_MAX=L.FP8_MAX, EPS=L.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=_SOFT_FP8,
+        FP8_MAX=L.FP8_MAX, EPS=L.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
         num_warps=4)
 
 
@@ -194,5 +193,5 @@ def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tens
         return
     _store_index_k_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        DIM=INDEX_HEAD_DIM, FP8_MAX=L.FP8_MAX, EPS=L.INDEX_SCALE_EPS, SOFT_FP8=_SOFT_FP8,
+        DIM=INDEX_HEAD_DIM, FP8_MAX=L.FP8_MAX, EPS=L.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
         num_warps=1)

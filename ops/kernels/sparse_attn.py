@@ -20,7 +20,6 @@ S = splits, K1 / K2 = SWA / extra index widths, P1 / P2 = page sizes.
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
@@ -28,10 +27,10 @@ import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
-from ._tensors import unit_stride
+from ._launch import INTERPRET, has_pdl, unit_stride
 
-_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
+_MIN_HEAD_BLOCK = 16  # smallest tl.dot tile
 # Byte layout (layout.py) and the column groups of a key: nope [0, 256), [256, 384), [384, 448),
 # rope [448, 512). Each nope group is a whole number of 64-wide scale tiles whose scale bytes lie
 # in one 4-byte word of the entry's scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
@@ -99,13 +98,16 @@ def _sparse_attn_fwd(
     sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
     SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, SPLIT: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_F32: tl.constexpr,
+    DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid ``(T * NUM_HEAD_BLOCKS, num_splits)``.
 
     Not SPLIT (num_splits == 1): writes out [T, H, 512] bf16 and lse [T, H] fp32 (natural log,
     no sink). Else: part_out [T, S, H, 512] fp32 (normalised by the split's own sum) and part_lse [T, S, H]
-    fp32 (base 2; -inf for a split without valid keys)."""
+    fp32 (base 2; -inf for a split without valid keys). PDL: let the combine launch now (its
+    programs wait for this grid to finish before reading the partials)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     DTYPE: tl.constexpr = tl.float32 if DOT_F32 else tl.bfloat16  # interpreter: bf16 dots are garbage
     row = (tl.program_id(0) // NUM_HEAD_BLOCKS).to(tl.int64)
     heads = (tl.program_id(0) % NUM_HEAD_BLOCKS) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
@@ -196,11 +198,13 @@ def _sparse_attn_fwd(
 
 @triton.jit
 def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_POW2: tl.constexpr,
-             COLS: tl.constexpr):
+             COLS: tl.constexpr, PDL: tl.constexpr):
     """Grid ``(T * H, 512 / COLS)``: merge the S partial ``(out / l, lse2)`` of one (row, head) over
     ``COLS`` output columns, apply the sink and write out [T, H, 512] bf16 (and lse [T, H] fp32,
     natural log, from the first column block). All splits are loaded at once: one memory round
-    trip, not one per split."""
+    trip, not one per split. PDL: launched early; waits here for the main grid's partials."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     row_head = tl.program_id(0).to(tl.int64)
     head = row_head % num_heads
     first = (row_head // num_heads) * num_splits * num_heads + head  # split 0 of this (row, head)
@@ -236,12 +240,36 @@ def choose_splits(num_rows: int, num_head_blocks: int, width: int, block_n: int,
     return max(1, min(num_sms // programs, triton.cdiv(width, block_n)))
 
 
+def choose_tiling(num_rows: int, num_heads: int, width: int, num_sms: int) -> tuple[int, int]:
+    """(heads per program, keys per block), from shapes only.
+
+    Heads: all of a row's heads up to 64 per program, except for one or two rows of at most 64
+    heads over a short key list (one 32- or 64-key block per split covers it), where the GPU is
+    nearly idle: then 16 heads per program, so four times the programs share the list (the gather
+    repeats per head block; the dots, the accumulator and the partial stores shrink 4x). Keys: 64
+    per block once rows fill the SMs with at most 2 splits (6-14 % faster), else 32.
+
+    H200, µs with 16 / 64 heads per program (FlashMLA): c4 Flash (640 keys) b = 1 11.6 / 14.3
+    (12.3), b = 2 13.6 / 15.8 (12.6); c128 at 128k b = 1 14.4 / 14.9 (14.1); not at 1M (9216
+    keys: 33 / 27, b = 2 64 / 34), b = 4 or 128 heads.
+    """
+    if num_rows <= 2 and num_heads <= _MAX_HEAD_BLOCK:
+        head_blocks = triton.cdiv(num_heads, _MIN_HEAD_BLOCK)
+        for block_n in (32, 64):
+            if choose_splits(num_rows, head_blocks, width, block_n, num_sms) * block_n >= width:
+                return _MIN_HEAD_BLOCK, block_n
+    head_block = min(_MAX_HEAD_BLOCK, max(_MIN_HEAD_BLOCK, triton.next_power_of_2(num_heads)))
+    splits_32 = choose_splits(num_rows, triton.cdiv(num_heads, head_block), width, 32, num_sms)
+    return head_block, 64 if splits_32 <= 2 else 32
+
+
 def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
                        swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
                        extra_cache: torch.Tensor | None, extra_page_size: int,
                        extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
                        attn_sink: torch.Tensor, softmax_scale: float, *, num_splits: int | None = None,
-                       block_n: int | None = None, num_stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_n: int | None = None, num_stages: int = 3,
+                       pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA with sink. Arguments as ``dsv4::sparse_attn`` (already checked).
 
     q: [T, H, 512] bf16; caches: [N_pages, page_bytes] uint8 (MODEL1, layout.py); indices: [T, K]
@@ -249,7 +277,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     bf16`` and ``lse [T, H] fp32`` (natural log, sink excluded; +inf and out 0 for a row without
     valid keys). Never reads tensor values on the host (CUDA-graph safe). ``num_splits`` overrides
     the shape-based choice (tests); ``block_n`` (keys per block, default from the shapes) and
-    ``num_stages`` are tuning knobs (benchmarks).
+    ``num_stages`` are tuning knobs (benchmarks). ``pdl``: launch the split combine with
+    programmatic dependent launch, so its launch overlaps the main grid (default: on sm_90+).
     """
     T, H, _ = q.shape
     q, swa_cache, swa_indices, swa_lengths, attn_sink = map(
@@ -261,21 +290,19 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     if T == 0:
         return out, lse
-    head_block = min(_MAX_HEAD_BLOCK, max(16, triton.next_power_of_2(H)))
-    head_blocks = triton.cdiv(H, head_block)
     has_extra = extra_cache is not None
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
     num_sms = _num_sms(q.device)
-    # H200: 64-key blocks are 6-14 % faster once rows (nearly) fill the SMs; 32-key blocks win
-    # when rows are few and split 3+ ways (b = 1: 14.9 vs 20 µs)
-    if block_n is None:
-        block_n = 64 if choose_splits(T, head_blocks, width, 32, num_sms) <= 2 else 32
+    head_block, default_block_n = choose_tiling(T, H, width, num_sms)
+    head_blocks = triton.cdiv(H, head_block)
+    block_n = block_n or default_block_n
     splits = num_splits or choose_splits(T, head_blocks, width, block_n, num_sms)
     if splits > 1:
         part_out = torch.empty(T, splits, H, HEAD_DIM, dtype=torch.float32, device=q.device)
         part_lse = torch.empty(T, splits, H, dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = lse  # unused
+    pdl = splits > 1 and (has_pdl(q.device) if pdl is None else pdl)
     if not has_extra:  # unused pointers / widths of the absent list
         extra_cache, extra_indices, extra_lengths, extra_page_size = swa_cache, swa_indices, swa_lengths, 1
     _sparse_attn_fwd[(T * head_blocks, splits)](
@@ -286,12 +313,13 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
         extra_indices.stride(0), extra_lengths, extra_indices.shape[1] if has_extra else 0,
         attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
         SWA_P=swa_page_size, EX_P=extra_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
-        HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DOT_F32=_INTERPRET,
-        num_warps=8, num_stages=num_stages,  # 3 stages: indices, then entry bytes, then math
+        HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DOT_F32=INTERPRET,
+        PDL=pdl, num_warps=8, num_stages=num_stages,  # 3 stages: indices, then entry bytes, then math
     )
     if splits > 1:
         splits_pow2 = triton.next_power_of_2(splits)
         cols = min(HEAD_DIM, max(16, 4096 // splits_pow2))  # [S, cols] fp32 tile: <= 32 registers per thread
         _combine[(T * H, HEAD_DIM // cols)](part_out, part_lse, attn_sink, out, lse, H, splits,
-                                            SPLITS_POW2=splits_pow2, COLS=cols, num_warps=4)
+                                            SPLITS_POW2=splits_pow2, COLS=cols, PDL=pdl, num_warps=4,
+                                            launch_pdl=pdl)
     return out, lse

@@ -56,3 +56,17 @@ def test_splits_agree(device):
     for out, lse in results:
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
+
+
+@pytest.mark.parametrize("rows, extra_width, tiling", [(1, 128, (16, 32)), (2, 512, (16, 64)), (2, 4096, (64, 32))])
+def test_few_rows_tiling(device, rows, extra_width, tiling):
+    """One or two rows of 64 heads over a short list run as 16-head programs (``choose_tiling``),
+    with 32-key blocks when one block per split covers the list, else 64; a long list keeps
+    64-head programs."""
+    inp = make_attn_inputs(rows, 64, extra="c4", swa_width=64, extra_width=extra_width, holes=0.2,
+                           ragged=True, special_sink=True, seed=2, device=device)
+    assert K.choose_tiling(rows, 64, inp.entries_per_row(), K._num_sms(inp.q.device)) == tiling
+    got = K.launch_sparse_attn(*inp.args())
+    if device == "cuda":
+        torch.cuda.synchronize()
+    assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"rows={rows}")
