@@ -45,12 +45,11 @@ _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills 
 @triton.jit
 def hadamard_pm1(n: tl.constexpr):
     """``[n, n]`` fp32 Sylvester Hadamard matrix: ``(-1) ** popcount(i & j)`` (n a power of two)."""
-    ij = tl.arange(0, n)[:, None] & tl.arange(0, n)[None, :]
-    parity = tl.zeros([n, n], dtype=tl.int32)
-    for b in tl.static_range(16):
-        if (1 << b) < n:
-            parity = parity ^ ((ij >> b) & 1)
-    return (1 - 2 * parity).to(tl.float32)
+    p = tl.arange(0, n)[:, None] & tl.arange(0, n)[None, :]
+    for level in tl.static_range(3, -1, -1):  # parity: fold the high half of the bits onto the low
+        if (1 << (1 << level)) < n:  # bits at or above 2^level exist
+            p = p ^ (p >> (1 << level))
+    return (1 - 2 * (p & 1)).to(tl.float32)
 
 
 @triton.jit

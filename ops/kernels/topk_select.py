@@ -99,7 +99,11 @@ def _slot(pt_row, j, mask, PAGE: tl.constexpr):
 
 @triton.jit
 def _bucket_hist_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk, num_splits, num_sel,
-                        stride_ws, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr):
+                        stride_ws, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:  # the scan's logits are final past the wait; the emit kernel may launch
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     split = tl.program_id(1)
     n = tl.minimum(tl.maximum(tl.load(vis_ptr + row0 + r).to(tl.int32), 0), capacity)
@@ -117,7 +121,11 @@ def _bucket_hist_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk,
 @triton.jit
 def _bucket_emit_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity,
                         topk, num_splits, num_sel, stride_ws, stride_pt, stride_out,
-                        S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+                        S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+                        PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     split = tl.program_id(1)
     row = (row0 + r).to(tl.int64)
@@ -150,7 +158,9 @@ def _ordered_key(x):
 @triton.jit
 def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, topk, num_sel,
                    stride_ws, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   PAGE: tl.constexpr):
+                   PAGE: tl.constexpr, PDL: tl.constexpr):
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     row = (row0 + r).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
@@ -204,12 +214,13 @@ def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, c
 
 def launch_topk_select(ws: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
                        visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
-                       rows: int) -> None:
+                       rows: int, pdl: bool = False) -> None:
     """Fill ``out[row0 : row0 + rows]`` from the logits ``ws [>= rows, capacity] fp32``.
 
     minmax: [>= rows, S, 2] fp32 per-split min / max of the scan; page_table: [T, NP] int32/int64
     (contiguous); visible: [T]; out: [T, topk] int32. ``ws`` / ``minmax`` may be None when
-    ``capacity <= topk`` (no row is ever scored).
+    ``capacity <= topk`` (no row is ever scored). ``pdl``: launch the three kernels with
+    programmatic dependent launch (sm_90+; the scan before them triggers its dependents).
     """
     if rows == 0:
         return
@@ -219,7 +230,7 @@ def launch_topk_select(ws: torch.Tensor | None, minmax: torch.Tensor | None, pag
         cand, hist = ws.view(torch.int32), torch.empty(1, 1, _NB, dtype=torch.int32, device=out.device)
         _finish_kernel[(rows,)](ws, visible, hist, page_table, out, cand, row0, capacity, topk, 1,
                                 ws.stride(0), page_table.stride(0), out.stride(0), NB=_NB, BLOCK=_BLOCK,
-                                PAGE=page, num_warps=4)
+                                PAGE=page, PDL=False, num_warps=4)
         return
     num_splits = minmax.shape[1]
     num_sel = max(1, min(triton.cdiv(capacity, _BLOCK), triton.cdiv(_SELECT_PROGRAMS, rows),
@@ -227,7 +238,8 @@ def launch_topk_select(ws: torch.Tensor | None, minmax: torch.Tensor | None, pag
     hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=ws.device)
     cand = torch.empty(ws.shape, dtype=torch.int32, device=ws.device)  # indexed with ws's row stride
     s_p2 = triton.next_power_of_2(num_splits)
-    common = dict(NB=_NB, BLOCK=_BLOCK, num_warps=4)
+    # pdl: each kernel launches while the previous one drains and waits for it in-kernel
+    common = dict(NB=_NB, BLOCK=_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     _bucket_hist_kernel[(rows, num_sel)](ws, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
                                          ws.stride(0), S_P2=s_p2, **common)
     _bucket_emit_kernel[(rows, num_sel)](ws, minmax, visible, hist, page_table, out, cand, row0, capacity,

@@ -87,8 +87,11 @@ def _identical_keys(args):
     vals.copy_(vals[0, 0].clone().expand_as(vals))
 
 
-def test_topk_logits_ordered_by_distinct_scales(device):
-    """Identical keys, distinct scales: the exact top-k set is the largest (or smallest) scales."""
+@pytest.mark.parametrize("outlier", [False, True])
+def test_topk_logits_ordered_by_distinct_scales(device, outlier):
+    """Identical keys, distinct scales: the exact top-k set is the largest (or smallest) scales.
+    With one outlier scale (1000) every other logit of a row lands in one bucket: the radix
+    select then ranks several blocks of distinct candidates."""
     topk, num_pages = 64, 12
     gen = _gen(device, 1)
     args = inputs.indexer_topk_args([300, 700, 768], 8, num_pages, topk, gen)
@@ -96,6 +99,8 @@ def test_topk_logits_ordered_by_distinct_scales(device):
     _, scales = index_page_views(args["index_cache"])
     perm = torch.randperm(scales.numel(), generator=gen, device=device)
     scales.copy_((1 + perm.float() / scales.numel()).view_as(scales))  # distinct, within [1, 2)
+    if outlier:  # entry 0 of every row
+        scales[args["page_table"][:, 0].long(), 0] = 1000.0
     got = K.launch_indexer_topk(**args)
     _check_topk(args, got)
     want = ref.indexer_topk(**args)
