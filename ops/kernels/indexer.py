@@ -41,7 +41,13 @@ from .kv_cache import _to_e4m3_bits
 from .topk_select import launch_topk_select
 
 _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: more pages in flight)
-_MIN_SCAN_PAGES = 4  # pages per program at least (one row of 4096 pages: 1024 programs, not 4096)
+# Pages per scan program at least: latency-bound scans (fewer than _LARGE_SCAN_PAGES pages in a
+# chunk) spread wide, larger ones amortise each program's setup. H200, µs with 4 / 8 pages:
+# b=1 at 8k 3.7 / 5.2, b=1 at 128k 4.1 / 5.4; b=256 at 8k 22.7 / 20.9, b=32 at 128k 42.8 / 40.1,
+# b=4 at 1M 44.7 / 42.1 (b=256 at 128k and b=32 at 1M: capped by _SCAN_PROGRAMS, unchanged).
+_MIN_SCAN_PAGES = 4
+_MIN_SCAN_PAGES_LARGE = 8
+_LARGE_SCAN_PAGES = 4096
 _PDL_MAX_SCORED = 1 << 17  # rows x capacity (entries) up to which scan and select chain under PDL
 _WORKSPACE_ELEMS = 1 << 25  # fp32 logits per workspace chunk (128 MiB); longer batches loop over rows
 
@@ -153,7 +159,9 @@ def indexer_workspace(num_rows: int, capacity: int, device) -> tuple[torch.Tenso
     """Buffers of one chunk of rows: logits ``[C, capacity] fp32`` and the scan's per-split
     min / max ``[C, S, 2] fp32`` (``C`` rows bounded by ``_WORKSPACE_ELEMS``; ``S`` splits)."""
     chunk = max(1, min(num_rows, _WORKSPACE_ELEMS // capacity))
-    splits = max(1, min(capacity // (_MIN_SCAN_PAGES * layout.INDEX_PAGE_SIZE), triton.cdiv(_SCAN_PROGRAMS, chunk)))
+    pages = capacity // layout.INDEX_PAGE_SIZE
+    min_pages = _MIN_SCAN_PAGES if chunk * pages < _LARGE_SCAN_PAGES else _MIN_SCAN_PAGES_LARGE
+    splits = max(1, min(pages // min_pages, triton.cdiv(_SCAN_PROGRAMS, chunk)))
     return (torch.empty(chunk, capacity, dtype=torch.float32, device=device),
             torch.empty(chunk, splits, 2, dtype=torch.float32, device=device))
 
