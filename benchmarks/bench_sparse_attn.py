@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,8 @@ from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
+
+from bench_ops import graph_us  # the script's folder is on sys.path: one timing method for both
 
 
 @dataclass(frozen=True)
@@ -69,27 +70,6 @@ def bytes_moved(inp: AttnInputs) -> float:
     plus q read and out written (bf16)."""
     rows, heads, _ = inp.q.shape
     return rows * (layout.TOKEN_BYTES * inp.entries_per_row() + 2 * 2 * heads * HEAD_DIM)
-
-
-def time_graph(fn, reps: int, iters: int) -> float:
-    """Median µs per call of ``fn`` under CUDA-graph replay (``reps`` calls per graph)."""
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / reps)
-    del graph
-    return statistics.median(times)
 
 
 def flashmla_raw(inp: AttnInputs):
@@ -149,7 +129,7 @@ def run_case(case: Case, args) -> list[dict]:
     records = []
     for impl, fn in impls.items():
         try:
-            us = time_graph(fn, args.reps, args.iters)
+            us = graph_us(fn, args.iters, args.reps)
             diff = max_diff(fn(), want) if impl.startswith(("triton_", "flashmla_op")) else {}
         except Exception as e:  # noqa: BLE001  (report and go on: one failure must not hide the rest)
             records.append(dict(base, impl=impl, error=repr(e)[:300]))
