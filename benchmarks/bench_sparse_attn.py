@@ -1,11 +1,13 @@
-"""Benchmark ``dsv4::sparse_attn``: the fused Triton kernel vs FlashMLA vs the torch reference.
+"""Benchmark ``dsv4::sparse_attn``: our Triton kernels vs FlashMLA vs the torch reference.
 
 Usage:
     python benchmarks/bench_sparse_attn.py [--out results.json] [--cases c4_flash_b1,c4_pro_b128]
         [--reps 10] [--iters 50] [--reference-max-row-keys 131072] [--sweep] [--no-flashmla]
         [--kernel-info]
 
-Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
+Implementations: ``triton`` (the op, which picks the fused or the two-pass path from the shapes),
+``triton_fused`` and ``triton_two_pass`` (each path forced), ``flashmla``, ``flashmla_op``,
+``reference``. Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
 ``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times, each replay timed with CUDA events;
 the median per call is reported (warm L2: the same inputs every call). FlashMLA is timed as the raw
 ``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata
@@ -32,6 +34,7 @@ from dsv4_compile import layout
 from dsv4_compile.config import HEAD_DIM
 from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
+from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
 
@@ -92,8 +95,8 @@ SWEEP = ((32, 3), (64, 3), (32, 2))  # (keys per block, pipeline stages)
 
 
 def sweep_configs(inp: AttnInputs):
-    """(label, launcher kwargs) for --sweep: block sizes x stages, and split counts around the
-    shape-based choice."""
+    """(label, launcher kwargs) for --sweep, fused path: block sizes x stages, and split counts
+    around the shape-based choice."""
     rows, heads, _ = inp.q.shape
     num_sms = K._num_sms(inp.q.device)
     head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
@@ -101,7 +104,7 @@ def sweep_configs(inp: AttnInputs):
     for block_n, stages in SWEEP:
         auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, num_sms)
         for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
-            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits)
+            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits, two_pass=False)
             yield f"bn{block_n}_st{stages}_s{splits}", kw
 
 
@@ -116,7 +119,9 @@ def run_case(case: Case, args) -> list[dict]:
                            swa_capacity=case.swa_capacity, extra_capacity=case.extra_capacity,
                            seed=0, device="cuda")
     base = dict(case=case.name, rows=case.rows, heads=case.heads, entries=inp.entries_per_row())
-    impls = {"triton": lambda: torch.ops.dsv4.sparse_attn(*inp.args())}
+    impls = {"triton": lambda: torch.ops.dsv4.sparse_attn(*inp.args()),  # the op's choice of path
+             "triton_fused": lambda: K.launch_sparse_attn(*inp.args(), two_pass=False),
+             "triton_two_pass": lambda: K.launch_sparse_attn(*inp.args(), two_pass=True)}
     if args.flashmla and flashmla.available():
         impls["flashmla"] = flashmla_raw(inp)
         impls["flashmla_op"] = lambda: torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
@@ -146,7 +151,7 @@ def run_case(case: Case, args) -> list[dict]:
 
 
 def print_kernel_info() -> None:
-    for fn in (K._sparse_attn_fwd, K._combine):
+    for fn in (K._sparse_attn_fwd, K._combine, two_pass._block_scores, two_pass._block_values):
         for caches in fn.device_caches.values():
             for compiled in caches[0].values():
                 meta = compiled.metadata

@@ -13,6 +13,10 @@ partial LSE ``lse2 = m2 + log2(l)``); the returned LSE is natural log and exclud
 With one split the main kernel finishes the row itself (sink gate, empty rows); with several it
 writes partial ``(out / l, lse2)`` and ``_combine`` merges them.
 
+``launch_sparse_attn`` is the entry point for both strategies: this fused kernel for few rows
+(decode at small batch, where splitting the key list fills the GPU), the two-pass kernels of
+``sparse_attn_two_pass.py`` for many (``use_two_pass``).
+
 Shape legend: T = query rows, H = heads, HB = heads per program (power of two, 16..64),
 S = splits, K1 / K2 = SWA / extra index widths, P1 / P2 = page sizes.
 """
@@ -27,48 +31,23 @@ import triton.language as tl
 
 from ... import layout
 from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from . import sparse_attn_two_pass as two_pass_kernels
 from ._launch import INTERPRET, has_pdl, unit_stride
+from ._attn_common import (LN2, LOG2E, dequant_nope, gather_entries, load_rope, row_key_counts,
+                           scale_word, sink_gate)
 
 _MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
 _MIN_HEAD_BLOCK = 16  # smallest tl.dot tile
-# Byte layout (layout.py) and the column groups of a key: nope [0, 256), [256, 384), [384, 448),
-# rope [448, 512). Each nope group is a whole number of 64-wide scale tiles whose scale bytes lie
-# in one 4-byte word of the entry's scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
-_TILE = tl.constexpr(layout.FP8_TILE)
-_DATA_BYTES = tl.constexpr(layout.TOKEN_DATA_BYTES)
-_SCALE_BYTES = tl.constexpr(layout.TOKEN_SCALE_BYTES)
+# Column groups of a key: nope [0, 256), [256, 384), [384, 448), rope [448, 512). Each nope group
+# is a whole number of 64-wide scale tiles whose scale bytes lie in one 4-byte word of the entry's
+# scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
 _NOPE = tl.constexpr(NOPE_DIM)
 _ROPE = tl.constexpr(ROPE_DIM)
 _DIM = tl.constexpr(HEAD_DIM)
 _G1 = tl.constexpr(256)
 _G2 = tl.constexpr(384)
-_LOG2E = tl.constexpr(1.4426950408889634)
-_LN2 = tl.constexpr(0.6931471805599453)
 assert 256 == 4 * layout.FP8_TILE and 384 % layout.FP8_TILE == 0 and NOPE_DIM == 7 * layout.FP8_TILE
-assert layout.TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM and HEAD_DIM == NOPE_DIM + ROPE_DIM
-
-
-@triton.jit
-def _slots(idx_row, m, in_set, capacity, P: tl.constexpr):
-    """Slots at list positions ``m [BLOCK_N]`` -> (page int64, offset in page, valid). Invalid:
-    outside the list, negative (-1 holes) or >= capacity."""
-    slot = tl.load(idx_row + m, mask=in_set, other=-1)
-    ok = in_set & (slot >= 0) & (slot < capacity)
-    slot = tl.where(ok, slot, 0).to(tl.int32)  # < capacity < 2^31
-    return (slot // P).to(tl.int64), slot % P, ok
-
-
-@triton.jit
-def _dequant_nope(data, scale_word, valid, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
-    """Nope columns ``[COL, COL + WIDTH)`` of ``BLOCK_N`` entries -> ``[BLOCK_N, WIDTH]`` DTYPE
-    (0 for invalid entries). data: [BLOCK_N] pointers to each entry's data bytes; scale_word:
-    [BLOCK_N] int32, the entry's scale bytes 4w..4w+3 holding these tiles (little endian). The
-    scale is broadcast per column (a [BN, tiles, 64] reshape costs 14 % more on the H200)."""
-    cols = tl.arange(0, WIDTH) + COL
-    raw = tl.load(data[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    e = (scale_word[:, None] >> (8 * ((cols // _TILE) % 4))[None, :]) & 0xFF
-    scale = (e << 23).to(tl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
-    return (raw.to(tl.float8e4nv, bitcast=True).to(tl.float32) * scale).to(DTYPE)
+assert HEAD_DIM == NOPE_DIM + ROPE_DIM
 
 
 @triton.jit
@@ -81,13 +60,6 @@ def _load_q(q_rows, head_ok, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.c
 def _store_cols(dst, x, scale, mask, COL: tl.constexpr, WIDTH: tl.constexpr, DTYPE: tl.constexpr):
     """``dst[:, COL:COL + WIDTH] = x * scale[:, None]`` cast to DTYPE."""
     tl.store(dst + (tl.arange(0, WIDTH) + COL)[None, :], (x * scale[:, None]).to(DTYPE), mask=mask)
-
-
-@triton.jit
-def _sink_gate(sink, heads, head_ok, lse2):
-    """``1 / (1 + exp(sink - lse))`` for a base-2 ``lse2``; sink +inf -> 0, -inf -> 1."""
-    s2 = tl.load(sink + heads, mask=head_ok, other=0.0) * _LOG2E
-    return 1.0 / (1.0 + tl.exp2(s2 - lse2))
 
 
 @triton.jit
@@ -113,7 +85,7 @@ def _sparse_attn_fwd(
     heads = (tl.program_id(0) % NUM_HEAD_BLOCKS) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     head_ok = heads < num_heads
     split = tl.program_id(1)
-    qk_scale = tl.cast(softmax_scale, tl.float32) * _LOG2E  # logits in base 2
+    qk_scale = tl.cast(softmax_scale, tl.float32) * LOG2E  # logits in base 2
 
     q_rows = q + row * stride_qt + heads[:, None] * stride_qh
     q0 = _load_q(q_rows, head_ok, 0, _G1, DTYPE)
@@ -121,10 +93,7 @@ def _sparse_attn_fwd(
     q2 = _load_q(q_rows, head_ok, _G2, _NOPE - _G2, DTYPE)
     q3 = _load_q(q_rows, head_ok, _NOPE, _ROPE, DTYPE)
 
-    n_swa = tl.minimum(tl.maximum(tl.load(swa_len + row), 0), swa_width).to(tl.int32)
-    n_all = n_swa
-    if HAS_EXTRA:
-        n_all += tl.minimum(tl.maximum(tl.load(ex_len + row), 0), ex_width).to(tl.int32)
+    n_swa, n_all = row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA)
     chunk = tl.cdiv(tl.cdiv(n_all, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_all)
@@ -136,28 +105,16 @@ def _sparse_attn_fwd(
     acc2 = tl.zeros((HEAD_BLOCK, _NOPE - _G2), tl.float32)
     acc3 = tl.zeros((HEAD_BLOCK, _ROPE), tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        in_swa = pos < n_swa
-        page, off, valid = _slots(swa_idx + row * stride_swa_idx, pos, in_swa & (pos < hi),
-                                  swa_capacity, SWA_P)
-        base = swa_cache + page * swa_page_stride
-        data = base + off * _DATA_BYTES
-        scales = base + SWA_P * _DATA_BYTES + off * _SCALE_BYTES
-        if HAS_EXTRA:
-            ex_page, ex_off, ex_valid = _slots(ex_idx + row * stride_ex_idx, pos - n_swa,
-                                               (pos >= n_swa) & (pos < hi), ex_capacity, EX_P)
-            ex_base = ex_cache + ex_page * ex_page_stride
-            data = tl.where(in_swa, data, ex_base + ex_off * _DATA_BYTES)
-            scales = tl.where(in_swa, scales, ex_base + EX_P * _DATA_BYTES + ex_off * _SCALE_BYTES)
-            valid = valid | ex_valid
-        scale_words = scales.to(tl.pointer_type(tl.int32))  # scale bytes 0-3, 4-7
-        s_lo = tl.load(scale_words, mask=valid, other=0)
-        s_hi = tl.load(scale_words + 1, mask=valid, other=0)
-        k0 = _dequant_nope(data, s_lo, valid, 0, _G1, DTYPE)
-        k1 = _dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, DTYPE)
-        k2 = _dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, DTYPE)
-        rope = (data + _NOPE).to(tl.pointer_type(tl.bfloat16))
-        k3 = tl.load(rope[:, None] + tl.arange(0, _ROPE)[None, :], mask=valid[:, None], other=0.0).to(DTYPE)
+        data, scales, valid = gather_entries(
+            start + tl.arange(0, BLOCK_N), hi, n_swa, row,
+            swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
+            ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, SWA_P, EX_P, HAS_EXTRA)
+        s_lo = scale_word(scales, valid, 0)
+        s_hi = scale_word(scales, valid, 1)
+        k0 = dequant_nope(data, s_lo, valid, 0, _G1, DTYPE)
+        k1 = dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, DTYPE)
+        k2 = dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, DTYPE)
+        k3 = load_rope(data, valid, DTYPE)
 
         s = tl.dot(q0, tl.trans(k0))
         s = tl.dot(q1, tl.trans(k1), s)
@@ -179,8 +136,8 @@ def _sparse_attn_fwd(
     empty = l == 0.0
     lse2 = tl.where(empty, 0.0, m2 + tl.log2(l))
     if not SPLIT:
-        scale = tl.where(empty, 0.0, _sink_gate(sink, heads, head_ok, lse2) / l)
-        tl.store(lse + row * num_heads + heads, tl.where(empty, float("inf"), lse2 * _LN2), mask=head_ok)
+        scale = tl.where(empty, 0.0, sink_gate(sink, heads, head_ok, lse2) / l)
+        tl.store(lse + row * num_heads + heads, tl.where(empty, float("inf"), lse2 * LN2), mask=head_ok)
         dst = out + (row * num_heads + heads[:, None]) * _DIM
         ODTYPE: tl.constexpr = tl.bfloat16
     else:
@@ -220,10 +177,10 @@ def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_P
     acc = tl.sum(w[:, None] * parts, 0)
     empty = total == 0.0
     lse2 = tl.where(empty, 0.0, m_safe + tl.log2(total))
-    gate = 1.0 / (1.0 + tl.exp2(tl.load(sink + head) * _LOG2E - lse2))
+    gate = 1.0 / (1.0 + tl.exp2(tl.load(sink + head) * LOG2E - lse2))
     tl.store(out + row_head * _DIM + d, tl.where(empty, 0.0, acc * (gate / total)).to(tl.bfloat16))
     if tl.program_id(1) == 0:
-        tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * _LN2))
+        tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * LN2))
 
 
 @functools.lru_cache(maxsize=None)
@@ -263,13 +220,27 @@ def choose_tiling(num_rows: int, num_heads: int, width: int, num_sms: int) -> tu
     return head_block, 64 if splits_32 <= 2 else 32
 
 
+def use_two_pass(num_rows: int, num_head_blocks: int, width: int) -> bool:
+    """The two-pass kernels from 64 (row, head block) pairs on, or from 16 over key lists of at
+    most 2048; the fused kernel, split over the key list, otherwise: with few rows the two-pass
+    value kernel has 4 programs per pair, each walking the whole list.
+
+    H200, µs fused / two-pass (FlashMLA): 64 heads, 640 keys, T = 8: 23.0 / 24.8 (14.1), T = 16:
+    26.1 / 24.9 (16.0); 128 heads, 1152 keys, T = 8: 35.2 / 36.3, T = 16: 53.9 / 44.2; 8320 keys
+    (c128 at 1M), T = 16: 176 / 234, T = 64: 577 / 451 (249).
+    """
+    programs = num_rows * num_head_blocks
+    return programs >= 64 or (programs >= 16 and width <= 2048)
+
+
 def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
                        swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
                        extra_cache: torch.Tensor | None, extra_page_size: int,
                        extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
                        attn_sink: torch.Tensor, softmax_scale: float, *, num_splits: int | None = None,
-                       block_n: int | None = None, num_stages: int = 3,
-                       pdl: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block_n: int | None = None, num_stages: int = 3, pdl: bool | None = None,
+                       two_pass: bool | None = None,
+                       two_pass_config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA with sink. Arguments as ``dsv4::sparse_attn`` (already checked).
 
     q: [T, H, 512] bf16; caches: [N_pages, page_bytes] uint8 (MODEL1, layout.py); indices: [T, K]
@@ -279,6 +250,9 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     the shape-based choice (tests); ``block_n`` (keys per block, default from the shapes) and
     ``num_stages`` are tuning knobs (benchmarks). ``pdl``: launch the split combine with
     programmatic dependent launch, so its launch overlaps the main grid (default: on sm_90+).
+    ``two_pass``: use the two-kernel path of ``sparse_attn_two_pass.py`` (default from the shapes,
+    ``use_two_pass``); the split and tuning knobs above apply to the fused kernel only, and
+    ``two_pass_config`` holds those of ``launch_two_pass`` (benchmarks).
     """
     T, H, _ = q.shape
     q, swa_cache, swa_indices, swa_lengths, attn_sink = map(
@@ -295,6 +269,14 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     num_sms = _num_sms(q.device)
     head_block, default_block_n = choose_tiling(T, H, width, num_sms)
     head_blocks = triton.cdiv(H, head_block)
+    if not has_extra:  # unused pointers / widths of the absent list
+        extra_cache, extra_indices, extra_lengths, extra_page_size = swa_cache, swa_indices, swa_lengths, 1
+    if use_two_pass(T, head_blocks, width) if two_pass is None else two_pass:
+        two_pass_kernels.launch_two_pass(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache,
+                                         extra_page_size, extra_indices, extra_lengths, attn_sink,
+                                         softmax_scale, out, lse, has_extra=has_extra, head_block=head_block,
+                                         **(two_pass_config or {}))
+        return out, lse
     block_n = block_n or default_block_n
     splits = num_splits or choose_splits(T, head_blocks, width, block_n, num_sms)
     if splits > 1:
@@ -303,8 +285,6 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     else:
         part_out = part_lse = lse  # unused
     pdl = splits > 1 and (has_pdl(q.device) if pdl is None else pdl)
-    if not has_extra:  # unused pointers / widths of the absent list
-        extra_cache, extra_indices, extra_lengths, extra_page_size = swa_cache, swa_indices, swa_lengths, 1
     _sparse_attn_fwd[(T * head_blocks, splits)](
         q, q.stride(0), q.stride(1),
         swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices,

@@ -1,9 +1,10 @@
-"""``dsv4::sparse_attn`` on the GPU at real shapes: the fused Triton kernel (through the op's
-registered CUDA kernel) and FlashMLA, against an fp64 golden with the eager reference's error as
-the yardstick (STYLE habit 11), on the same cache bytes.
+"""``dsv4::sparse_attn`` on the GPU at real shapes: the Triton kernels (through the op's registered
+CUDA kernel, which picks the fused or the two-pass path) and FlashMLA, against an fp64 golden with
+the eager reference's error as the yardstick (STYLE habit 11), on the same cache bytes.
 
 Shapes: H in {8, 64, 128}; SWA-only, c4 top-512 / top-1024, c128 at 1k / 128k / 1M context (extra
-widths 64 / 1024 / 8192); T from 1 (split-KV + combine) to 4096 (one program per row). Inputs have
+widths 64 / 1024 / 8192); T from 1 (fused, split-KV + combine) to 4096 (two-pass, in row chunks);
+each path also forced at one size. Inputs have
 -1 holes, sentinel indices, ragged lengths, empty and all-invalid rows, sinks of +inf / -inf.
 Also: split counts agree, int64 indices, CUDA-graph capture and replay with new index values, the
 ``DSV4_ATTN_IMPL=flashmla`` switch.
@@ -119,3 +120,12 @@ def test_env_switch_routes_to_flashmla(monkeypatch):
     monkeypatch.setenv("DSV4_ATTN_IMPL", "flashmla")
     got = torch.ops.dsv4.sparse_attn(*inp.args())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("shape", ["c4_top1024", "c128_1m"])
+def test_both_paths(shape, two_pass):
+    """Each strategy of ``launch_sparse_attn`` forced, at a size where either could be picked:
+    the fused kernel (split over the key list) and the two-pass kernels."""
+    inp = _inputs(7, 128, shape, seed=5)
+    _check(inp, K.launch_sparse_attn(*inp.args(), two_pass=two_pass), f"{shape} two_pass={two_pass}")
