@@ -79,7 +79,7 @@ def test_int64_indices():
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [5, 256])  # split + combine; one program per row
+@pytest.mark.parametrize("rows", [5, 256])  # fused (split + combine); two-pass
 def test_cuda_graph_replay(rows):
     """Captured once; replays read the current q / index / length / sink values (no host reads)."""
     inp = _inputs(rows, 64, "c4_top512", seed=7)
