@@ -13,7 +13,7 @@ the median per call is reported (warm L2: the same inputs every call). FlashMLA 
 ``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata
 (the GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included).
 The reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also
-times the Triton kernel over block sizes, pipeline stages and split counts; ``--kernel-info``
+times both Triton paths over block sizes, warps, pipeline stages and (fused) split counts; ``--kernel-info``
 prints registers, spills and shared memory of every compiled Triton variant at the end.
 
 Columns: µs per call; TFLOPS-equivalent, ``flops()``; GB/s, ``bytes()``; ratio = FlashMLA µs / µs
@@ -91,12 +91,14 @@ def flashmla_raw(inp: AttnInputs):
     return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, HEAD_DIM, sched, None, **kw)
 
 
-SWEEP = ((32, 3), (64, 3), (32, 2))  # (keys per block, pipeline stages)
+SWEEP = ((32, 3), (64, 3), (32, 2))  # fused path: (keys per block, pipeline stages)
+TWO_PASS_SWEEP = ((128, (4, 4), (3, 3)), (128, (4, 4), (2, 2)), (64, (4, 4), (3, 3)), (128, (8, 4), (3, 3)))
+# two-pass path: (keys per block, warps of the scores / values kernels, their pipeline stages)
 
 
 def sweep_configs(inp: AttnInputs):
-    """(label, launcher kwargs) for --sweep, fused path: block sizes x stages, and split counts
-    around the shape-based choice."""
+    """(label, launcher kwargs) for --sweep: fused path block sizes x stages and split counts
+    around the shape-based choice; two-pass path block sizes, warps and stages."""
     rows, heads, _ = inp.q.shape
     num_sms = K._num_sms(inp.q.device)
     head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
@@ -106,6 +108,10 @@ def sweep_configs(inp: AttnInputs):
         for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
             kw = dict(block_n=block_n, num_stages=stages, num_splits=splits, two_pass=False)
             yield f"bn{block_n}_st{stages}_s{splits}", kw
+    for block_n, warps, stages in TWO_PASS_SWEEP:
+        config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        yield (f"2p_bn{block_n}_w{warps[0]}{warps[1]}_st{stages[0]}{stages[1]}",
+               dict(two_pass=True, two_pass_config=config))
 
 
 def max_diff(got, want) -> dict:
