@@ -70,12 +70,13 @@ def test_splits_agree():
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
-def test_int64_indices():
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_int64_indices(two_pass):
     inp = _inputs(5, 64, "c4_top512", seed=3)
-    want = K.launch_sparse_attn(*inp.args())
+    want = K.launch_sparse_attn(*inp.args(), two_pass=two_pass)
     inp.swa_indices, inp.extra_indices = inp.swa_indices.long(), inp.extra_indices.long()
     inp.swa_lengths, inp.extra_lengths = inp.swa_lengths.long(), inp.extra_lengths.long()
-    got = K.launch_sparse_attn(*inp.args())
+    got = K.launch_sparse_attn(*inp.args(), two_pass=two_pass)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
