@@ -1,13 +1,13 @@
-"""Benchmark ``dsv4::sparse_attn``: our Triton kernels vs FlashMLA vs the torch reference.
+"""Benchmark ``dsv4::sparse_attn``: our Triton / Gluon kernels vs FlashMLA vs the torch reference.
 
 Usage:
     python benchmarks/bench_sparse_attn.py [--out results.json] [--cases c4_flash_b1,c4_pro_b128]
         [--reps 10] [--iters 50] [--reference-max-row-keys 131072] [--sweep] [--no-flashmla]
         [--kernel-info]
 
-Implementations: ``triton`` (the op, which picks the fused or the two-pass path from the shapes),
-``triton_fused`` and ``triton_two_pass`` (each path forced), ``flashmla``, ``flashmla_op``,
-``reference``. Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
+Implementations: ``triton`` (the op, which picks the fused, warp-specialised or two-pass path from
+the shapes and the GPU), ``triton_fused``, ``triton_ws`` and ``triton_two_pass`` (each path
+forced; ``triton_ws`` reports an error off sm_90), ``flashmla``, ``flashmla_op``, ``reference``. Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
 ``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times, each replay timed with CUDA events;
 the median per call is reported (warm L2: the same inputs every call). FlashMLA is timed as the raw
 ``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata
@@ -35,6 +35,7 @@ from dsv4_compile.config import HEAD_DIM
 from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
 from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
+from dsv4_compile.ops.kernels import sparse_attn_ws as ws
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
 
@@ -106,12 +107,12 @@ def sweep_configs(inp: AttnInputs):
     for block_n, stages in SWEEP:
         auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, num_sms)
         for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
-            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits, two_pass=False)
+            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits, path="fused")
             yield f"bn{block_n}_st{stages}_s{splits}", kw
     for block_n, warps, stages in TWO_PASS_SWEEP:
         config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         yield (f"2p_bn{block_n}_w{warps[0]}{warps[1]}_st{stages[0]}{stages[1]}",
-               dict(two_pass=True, two_pass_config=config))
+               dict(path="two_pass", two_pass_config=config))
 
 
 def max_diff(got, want) -> dict:
@@ -126,8 +127,9 @@ def run_case(case: Case, args) -> list[dict]:
                            seed=0, device="cuda")
     base = dict(case=case.name, rows=case.rows, heads=case.heads, entries=inp.entries_per_row())
     impls = {"triton": lambda: torch.ops.dsv4.sparse_attn(*inp.args()),  # the op's choice of path
-             "triton_fused": lambda: K.launch_sparse_attn(*inp.args(), two_pass=False),
-             "triton_two_pass": lambda: K.launch_sparse_attn(*inp.args(), two_pass=True)}
+             "triton_fused": lambda: K.launch_sparse_attn(*inp.args(), path="fused"),
+             "triton_ws": lambda: K.launch_sparse_attn(*inp.args(), path="warp_specialized"),
+             "triton_two_pass": lambda: K.launch_sparse_attn(*inp.args(), path="two_pass")}
     if args.flashmla and flashmla.available():
         impls["flashmla"] = flashmla_raw(inp)
         impls["flashmla_op"] = lambda: torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
@@ -157,7 +159,10 @@ def run_case(case: Case, args) -> list[dict]:
 
 
 def print_kernel_info() -> None:
-    for fn in (K._sparse_attn_fwd, K._combine, two_pass._block_scores, two_pass._block_values):
+    kernels = [K._sparse_attn_fwd, K._combine, two_pass._block_scores, two_pass._block_values]
+    if ws.gluon is not None:
+        kernels.append(ws._sparse_attn_ws)
+    for fn in kernels:
         for caches in fn.device_caches.values():
             for compiled in caches[0].values():
                 meta = compiled.metadata

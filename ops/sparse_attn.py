@@ -1,8 +1,9 @@
 """``dsv4::sparse_attn``: sparse MQA over SWA + extra (c4 / c128) entries of FP8 MODEL1 caches,
 with a per-head attention sink (SPEC §4.4). A fixed public contract (name and argument order).
 
-Kernels: the reference on every device; on CUDA the fused Triton kernel
-(``kernels/sparse_attn.py``), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` is set (read per call).
+Kernels: the reference on every device; on CUDA ``kernels/sparse_attn.py``'s launcher, which picks
+a path from the shapes and the GPU (the warp-specialised Gluon kernel on sm_90, else a fused or a
+two-pass Triton kernel), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` is set (read per call).
 ``dsv4::sparse_attn_flashmla`` (same signature, CUDA only) always calls FlashMLA; it needs the
 optional ``flash_mla`` module (pip ``sgl-flash-mla``), imported on first use.
 

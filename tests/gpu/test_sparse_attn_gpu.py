@@ -1,10 +1,10 @@
-"""``dsv4::sparse_attn`` on the GPU at real shapes: the Triton kernels (through the op's registered
-CUDA kernel, which picks the fused or the two-pass path) and FlashMLA, against an fp64 golden with
-the eager reference's error as the yardstick (STYLE habit 11), on the same cache bytes.
+"""``dsv4::sparse_attn`` on the GPU at real shapes: our kernels (through the op's registered CUDA
+kernel, which picks the fused, warp-specialised or two-pass path) and FlashMLA, against an fp64
+golden with the eager reference's error as the yardstick (STYLE habit 11), on the same cache bytes.
 
 Shapes: H in {8, 64, 128}; SWA-only, c4 top-512 / top-1024, c128 at 1k / 128k / 1M context (extra
-widths 64 / 1024 / 8192); T from 1 (fused, split-KV + combine) to 4096 (two-pass, in row chunks);
-each path also forced at one size. Inputs have
+widths 64 / 1024 / 8192); T from 1 (split-KV + combine) to 4096; each path also forced at four
+sizes. Inputs have
 -1 holes, sentinel indices, ragged lengths, empty and all-invalid rows, sinks of +inf / -inf.
 Also: split counts agree, int64 indices, CUDA-graph capture and replay with new index values, the
 ``DSV4_ATTN_IMPL=flashmla`` switch.
@@ -15,6 +15,7 @@ import torch
 
 from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
+from dsv4_compile.ops.kernels import sparse_attn_ws as ws
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import assert_attn_close, golden_sparse_attn, make_attn_inputs
 
@@ -39,6 +40,11 @@ def _inputs(rows, heads, shape, seed=0, **kw):
                             **kw)
 
 
+def _skip_unavailable(path):
+    if path == "warp_specialized" and not ws.available(torch.device("cuda")):
+        pytest.skip("the warp-specialised kernel needs Gluon and an sm_90 GPU")
+
+
 def _check(inp, got, what):
     torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), what)
@@ -61,39 +67,42 @@ def test_many_rows(shape):
     _check(inp, torch.ops.dsv4.sparse_attn(*inp.args()), f"{shape} T=4096")
 
 
-def test_splits_agree():
+@pytest.mark.parametrize("path", ["fused", "warp_specialized"])
+def test_splits_agree(path):
+    _skip_unavailable(path)
     inp = _inputs(3, 64, "c4_top1024", seed=5)
-    base_out, base_lse = K.launch_sparse_attn(*inp.args(), num_splits=1)
+    base_out, base_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, path=path)
     for splits in (2, 7, 16, 40):  # 40 > key blocks: empty splits
-        out, lse = K.launch_sparse_attn(*inp.args(), num_splits=splits)
+        out, lse = K.launch_sparse_attn(*inp.args(), num_splits=splits, path=path)
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_int64_indices(two_pass):
+@pytest.mark.parametrize("path", K.PATHS)
+def test_int64_indices(path):
+    _skip_unavailable(path)
     inp = _inputs(5, 64, "c4_top512", seed=3)
-    want = K.launch_sparse_attn(*inp.args(), two_pass=two_pass)
+    want = K.launch_sparse_attn(*inp.args(), path=path)
     inp.swa_indices, inp.extra_indices = inp.swa_indices.long(), inp.extra_indices.long()
     inp.swa_lengths, inp.extra_lengths = inp.swa_lengths.long(), inp.extra_lengths.long()
-    got = K.launch_sparse_attn(*inp.args(), two_pass=two_pass)
+    got = K.launch_sparse_attn(*inp.args(), path=path)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("rows", [5, 256])  # fused (split + combine); two-pass
-def test_cuda_graph_replay(rows):
+@pytest.mark.parametrize("rows, path", [(5, None), (256, None), (256, "two_pass")])  # splits; one per row
+def test_cuda_graph_replay(rows, path):
     """Captured once; replays read the current q / index / length / sink values (no host reads)."""
     inp = _inputs(rows, 64, "c4_top512", seed=7)
     fresh = _inputs(rows, 64, "c4_top512", seed=8)
-    K.launch_sparse_attn(*inp.args())  # compile outside the capture
+    K.launch_sparse_attn(*inp.args(), path=path)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = K.launch_sparse_attn(*inp.args())
+        out, lse = K.launch_sparse_attn(*inp.args(), path=path)
     for name in ("q", "swa_indices", "swa_lengths", "extra_indices", "extra_lengths", "attn_sink"):
         getattr(inp, name).copy_(getattr(fresh, name))
     graph.replay()
     fresh.swa_cache, fresh.extra_cache = inp.swa_cache, inp.extra_cache
-    want = K.launch_sparse_attn(*fresh.args())
+    want = K.launch_sparse_attn(*fresh.args(), path=path)
     torch.testing.assert_close((out, lse), want, rtol=0, atol=0)
 
 
@@ -123,10 +132,19 @@ def test_env_switch_routes_to_flashmla(monkeypatch):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("two_pass", [False, True])
-@pytest.mark.parametrize("shape", ["c4_top1024", "c128_1m"])
-def test_both_paths(shape, two_pass):
-    """Each strategy of ``launch_sparse_attn`` forced, at a size where either could be picked:
-    the fused kernel (split over the key list) and the two-pass kernels."""
-    inp = _inputs(7, 128, shape, seed=5)
-    _check(inp, K.launch_sparse_attn(*inp.args(), two_pass=two_pass), f"{shape} two_pass={two_pass}")
+@pytest.mark.parametrize("path", K.PATHS)
+@pytest.mark.parametrize("rows, heads, shape", [(7, 128, "c4_top1024"), (7, 128, "c128_1m"), (130, 8, "c4_top512"),
+                                                (40, 64, "swa_only")])
+def test_each_path(rows, heads, shape, path):
+    """Each path of ``launch_sparse_attn`` forced, whichever the shapes would pick: the fused
+    kernel (split over the key list), its warp-specialised version (8 heads padded to 64) and the
+    two-pass kernels."""
+    _skip_unavailable(path)
+    inp = _inputs(rows, heads, shape, seed=5)
+    _check(inp, K.launch_sparse_attn(*inp.args(), path=path), f"{shape} T={rows} H={heads} {path}")
+
+
+def test_warp_specialized_is_the_default_on_sm90():
+    inp = _inputs(32, 64, "c4_top512")
+    want = "warp_specialized" if ws.available(inp.q.device) else "two_pass"
+    assert K.choose_path(32, 64, inp.entries_per_row(), inp.q.device) == want

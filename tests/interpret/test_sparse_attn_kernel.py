@@ -35,7 +35,7 @@ def _inputs(device, extra, extra_width, heads, seed=0):
 def test_matches_reference(device, case, splits):
     extra, width = CASES[case]
     inp = _inputs(device, extra, width, heads=8 if splits == 1 else 16)
-    got = K.launch_sparse_attn(*inp.args(), num_splits=splits, block_n=32 if splits == 1 else 64)
+    got = K.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, block_n=32 if splits == 1 else 64)
     if device == "cuda":
         torch.cuda.synchronize()
     eager = ref.sparse_attn(*inp.args())
@@ -49,11 +49,12 @@ def test_matches_reference(device, case, splits):
 def test_splits_agree(device):
     """Split counts (including more splits than key blocks) give the same result."""
     inp = _inputs(device, "c4", 128, heads=8, seed=1)
-    base_out, base_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, block_n=64)
+    base_out, base_lse = K.launch_sparse_attn(*inp.args(), path="fused", num_splits=1, block_n=64)
     # 7 > 4 key blocks (one combine program per row and head); 40 splits: the combine splits
     # each row's 512 columns over 8 programs to bound its [splits, columns] tile
     # (all results kept alive: a freed output's memory must not be reused by the next launch)
-    results = [K.launch_sparse_attn(*inp.args(), num_splits=splits, block_n=64) for splits in (40, 7)]
+    results = [K.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, block_n=64)
+               for splits in (40, 7)]
     for out, lse in results:
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
@@ -67,7 +68,7 @@ def test_few_rows_tiling(device, rows, extra_width, tiling):
     inp = make_attn_inputs(rows, 64, extra="c4", swa_width=64, extra_width=extra_width, holes=0.2,
                            ragged=True, special_sink=True, seed=2, device=device)
     assert K.choose_tiling(rows, 64, inp.entries_per_row(), K._num_sms(inp.q.device)) == tiling
-    got = K.launch_sparse_attn(*inp.args())
+    got = K.launch_sparse_attn(*inp.args(), path="fused")
     if device == "cuda":
         torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"rows={rows}")
@@ -82,7 +83,7 @@ def test_two_pass_matches_reference(device, case, heads, monkeypatch):
     prob_bytes = 4 if device == "cpu" else 2  # fp32 under the interpreter, else bf16
     row_bytes = heads * -(-(64 + width) // 128) * 128 * prob_bytes  # 128-key blocks
     monkeypatch.setattr(two_pass, "_WORKSPACE_BYTES", 2 * row_bytes)
-    got = K.launch_sparse_attn(*inp.args(), two_pass=True)
+    got = K.launch_sparse_attn(*inp.args(), path="two_pass")
     if device == "cuda":
         torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"{case} two-pass")
@@ -96,10 +97,10 @@ def test_two_pass_agrees_with_fused(device):
     """Both paths agree to bf16 rounding, row by row; int64 index lists give the two-pass result
     bit for bit."""
     inp = _inputs(device, "c4", 128, heads=16, seed=4)
-    fused_out, fused_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, block_n=64, two_pass=False)
-    out, lse = K.launch_sparse_attn(*inp.args(), two_pass=True)
+    fused_out, fused_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, block_n=64, path="fused")
+    out, lse = K.launch_sparse_attn(*inp.args(), path="two_pass")
     torch.testing.assert_close(lse, fused_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.float(), fused_out.float(), rtol=2 ** -7, atol=2 ** -7)
     inp.swa_indices, inp.extra_indices = inp.swa_indices.long(), inp.extra_indices.long()
     inp.swa_lengths, inp.extra_lengths = inp.swa_lengths.long(), inp.extra_lengths.long()
-    torch.testing.assert_close(K.launch_sparse_attn(*inp.args(), two_pass=True), (out, lse), rtol=0, atol=0)
+    torch.testing.assert_close(K.launch_sparse_attn(*inp.args(), path="two_pass"), (out, lse), rtol=0, atol=0)

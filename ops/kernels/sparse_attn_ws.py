@@ -1,0 +1,243 @@
+"""Warp-specialised sparse MQA with sink for Hopper (``dsv4::sparse_attn``, SPEC §4.4) — Gluon.
+
+The same work split as the fused kernel (``sparse_attn.py``: one program per query row, 64-head
+block and split of the key list; its split combine is reused), but the program's warps specialise
+so that gathering and dequantising keys overlaps the tensor cores:
+
+* a producer partition (4 warps, 96 registers) walks the key blocks: it gathers ``BLOCK_N``
+  MODEL1 entries by slot, dequantises the 7 fp8 tiles (the rope tile is bf16 already) into a
+  bf16 ``[BLOCK_N, 512]`` slot of a shared-memory ring, stores the keys' valid flags next to it
+  and signals ``ready[slot]``;
+* the default partition (8 warps: two consumer warpgroups) waits for ``ready[slot]``, computes
+  ``S = Q K^T`` with ``wgmma`` (Q staged once in shared memory; S split by keys across the two
+  warpgroups), the online softmax in base 2, ``O += P K`` (P from registers; the fp32 ``[64, 512]``
+  accumulator split by columns, 256 per warpgroup) and signals ``empty[slot]``.
+
+Needs Gluon (``triton.experimental.gluon``) and an sm_90 GPU (``wgmma``, ``setmaxnreg``); there is
+no interpreter path, so it is tested on the GPU only (``tests/gpu``), against the fp64 golden and
+the fused kernel.
+
+Shape legend: T = query rows, H = heads, S = splits.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+
+from ...config import HEAD_DIM
+from ._launch import INTERPRET
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, warpgroup_mma,
+                                                                  warpgroup_mma_wait)
+except ImportError:  # a Triton without Gluon: the other paths serve
+    gluon = None
+
+HEAD_BLOCK = 64  # heads per program (fewer are padded): one wgmma M
+BLOCK_N = 64  # keys per ring slot
+_STAGES = 2  # ring slots: 2 x 64 KB of bf16 keys + 64 KB of q fill the shared memory
+_PRODUCER_WARPS = 4
+_PRODUCER_REGS = 96
+_MAX_REGS = 168  # per thread over all 12 warps (65536 / 384, rounded down to a multiple of 8)
+
+
+@functools.lru_cache(maxsize=None)
+def available(device: torch.device) -> bool:
+    """Gluon importable, compiled kernels (not the interpreter) and an sm_90 GPU."""
+    return (gluon is not None and not INTERPRET and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] == 9)
+
+
+if gluon is not None:
+    _LOG2E = gl.constexpr(1.4426950408889634)
+    _LN2 = gl.constexpr(0.6931471805599453)
+    _DIM = gl.constexpr(HEAD_DIM)
+
+    @gluon.jit
+    def _slots(idx_row, m, in_set, capacity, P: gl.constexpr):
+        """Slots at list positions ``m`` -> (page int64, offset in page, valid); as
+        ``_attn_common._slots`` (a Gluon function cannot call a Triton one)."""
+        slot = gl.load(idx_row + m, mask=in_set, other=-1)
+        ok = in_set & (slot >= 0) & (slot < capacity)
+        slot = gl.where(ok, slot, 0).to(gl.int32)
+        return (slot // P).to(gl.int64), slot % P, ok
+
+    @gluon.jit
+    def _producer(k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
+                  swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
+                  ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
+                  SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, BLOCK: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """Keys ``[lo, hi)`` of ``row``, BLOCK per ring slot: gather, dequantise, signal."""
+        KL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bytes
+        RL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bf16
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, KL))
+        rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, RL))
+        for j in range(gl.cdiv(hi - lo, BLOCK)):
+            slot = j % STAGES
+            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            pos = lo + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, KL))
+            in_swa = pos < n_swa
+            page, off, valid = _slots(swa_idx + row * stride_swa_idx, pos, in_swa & (pos < hi), swa_capacity, SWA_P)
+            base = swa_cache + page * swa_page_stride
+            data = base + off * 576
+            scales = base + SWA_P * 576 + off * 8
+            if HAS_EXTRA:
+                ex_page, ex_off, ex_valid = _slots(ex_idx + row * stride_ex_idx, pos - n_swa,
+                                                   (pos >= n_swa) & (pos < hi), ex_capacity, EX_P)
+                ex_base = ex_cache + ex_page * ex_page_stride
+                data = gl.where(in_swa, data, ex_base + ex_off * 576)
+                scales = gl.where(in_swa, scales, ex_base + EX_P * 576 + ex_off * 8)
+                valid = valid | ex_valid
+            words = scales.to(gl.pointer_type(gl.int32))  # scale bytes 0-3, 4-7
+            s_lo = gl.load(words, mask=valid, other=0)
+            s_hi = gl.load(words + 1, mask=valid, other=0)
+            keys = k_ring.index(slot)
+            for t in gl.static_range(7):
+                raw = gl.load(data[:, None] + (cols + t * 64)[None, :], mask=valid[:, None], other=0)
+                if t < 4:
+                    e = (s_lo >> (8 * t)) & 0xFF
+                else:
+                    e = (s_hi >> (8 * (t - 4))) & 0xFF
+                scale = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
+                tile = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                keys.slice(t * 64, 64, dim=1).store(tile.to(gl.bfloat16))
+            rope = gl.convert_layout((data + 448).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, RL))
+            rope_ok = gl.convert_layout(valid, gl.SliceLayout(1, RL))
+            keys.slice(448, 64, dim=1).store(gl.load(rope[:, None] + rope_cols[None, :], mask=rope_ok[:, None],
+                                                     other=0.0))
+            valid_ring.index(slot).store(valid.to(gl.int8))
+            fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
+            mbarrier.arrive(ready.index(slot), count=1)
+
+    @gluon.jit
+    def _consumer(q_smem, k_ring, valid_ring, ready, empty, lo, hi, qk_scale,
+                  HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
+        """Online softmax attention over the ring -> (acc [HEADS, 512] fp32, m2, l) (base 2)."""
+        MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, BLOCK // 2, 16])
+        MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 256, 16])
+        P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
+        m2 = gl.full((HEADS,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA_S))
+        l = gl.zeros((HEADS,), gl.float32, layout=gl.SliceLayout(1, MMA_S))
+        acc = gl.zeros((HEADS, 512), gl.float32, layout=MMA_O)
+        s_init = gl.zeros((HEADS, BLOCK), gl.float32, layout=MMA_S)
+        for j in range(gl.cdiv(hi - lo, BLOCK)):
+            slot = j % STAGES
+            mbarrier.wait(ready.index(slot), (j // STAGES) & 1)
+            keys = k_ring.index(slot)
+            s = warpgroup_mma(q_smem, keys.permute((1, 0)), s_init, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            valid = valid_ring.index(slot).load(gl.SliceLayout(0, MMA_S))
+            s2 = gl.where(valid[None, :] != 0, s * qk_scale, float("-inf"))
+            m_new = gl.maximum(m2, gl.max(s2, 1))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no valid key yet: p = 0, no NaN
+            alpha = gl.exp2(m2 - m_safe)
+            p = gl.exp2(s2 - m_safe[:, None])
+            l = l * alpha + gl.sum(p, 1)
+            m2 = m_new
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, MMA_O))[:, None]
+            acc = warpgroup_mma(gl.convert_layout(p.to(gl.bfloat16), P_OPERAND), keys, acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(empty.index(slot), count=1)  # after both warpgroups' wgmma read the slot
+        return acc, m2, l
+
+    @gluon.jit
+    def _sparse_attn_ws(
+        q, stride_qt, stride_qh,
+        swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
+        ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
+        sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
+        SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLIT: gl.constexpr,
+        NUM_HEAD_BLOCKS: gl.constexpr, HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+    ):
+        """Grid ``(T * NUM_HEAD_BLOCKS, S)``, 8 warps (+ the producer's). Outputs as
+        ``sparse_attn._sparse_attn_fwd``: out / lse, or with SPLIT the partials for ``_combine``."""
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [HEADS, 512] bf16, 8 warps
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
+                                                        instr_shape=[16, 256, 16])
+        row = (gl.program_id(0) // NUM_HEAD_BLOCKS).to(gl.int64)
+        head_block = gl.program_id(0) % NUM_HEAD_BLOCKS
+        split = gl.program_id(1)
+        n_swa = gl.minimum(gl.maximum(gl.load(swa_len + row), 0), swa_width).to(gl.int32)
+        n_all = n_swa
+        if HAS_EXTRA:
+            n_all += gl.minimum(gl.maximum(gl.load(ex_len + row), 0), ex_width).to(gl.int32)
+        chunk = gl.cdiv(gl.cdiv(n_all, num_splits), BLOCK) * BLOCK
+        lo = split * chunk
+        hi = gl.minimum(lo + chunk, n_all)
+
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, 512], SMEM)
+        valid_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        q_heads = head_block * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
+        q_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+        q_smem.store(gl.load(q + row * stride_qt + q_heads[:, None] * stride_qh + q_cols[None, :],
+                             mask=(q_heads < num_heads)[:, None], other=0.0))
+        fence_async_shared()
+        gl.thread_barrier()
+
+        acc, m2, l = gl.warp_specialize([
+            (_consumer, (q_smem, k_ring, valid_ring, ready, empty, lo, hi, softmax_scale * _LOG2E,
+                         HEADS, BLOCK, STAGES)),
+            (_producer, (k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
+                         swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
+                         ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
+                         SWA_P, EX_P, HAS_EXTRA, BLOCK, STAGES)),
+        ], [PRODUCER_WARPS], [PRODUCER_REGS])
+
+        rows_layout: gl.constexpr = gl.SliceLayout(1, MMA_O)
+        m2 = gl.convert_layout(m2, rows_layout)
+        l = gl.convert_layout(l, rows_layout)
+        heads = head_block * HEADS + gl.arange(0, HEADS, layout=rows_layout)
+        head_ok = heads < num_heads
+        cols = gl.arange(0, 512, layout=gl.SliceLayout(0, MMA_O))
+        no_keys = l == 0.0
+        lse2 = gl.where(no_keys, 0.0, m2 + gl.log2(l))
+        if not SPLIT:
+            gate = 1.0 / (1.0 + gl.exp2(gl.load(sink + heads, mask=head_ok, other=0.0) * _LOG2E - lse2))
+            scale = gl.where(no_keys, 0.0, gate / l)
+            gl.store(lse + row * num_heads + heads, gl.where(no_keys, float("inf"), lse2 * _LN2), mask=head_ok)
+            gl.store(out + (row * num_heads + heads)[:, None] * _DIM + cols[None, :],
+                     (acc * scale[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
+        else:
+            scale = gl.where(no_keys, 0.0, 1.0 / l)
+            part = (row * num_splits + split) * num_heads + heads
+            gl.store(part_lse + part, gl.where(no_keys, float("-inf"), lse2), mask=head_ok)
+            gl.store(part_out + part[:, None] * _DIM + cols[None, :], acc * scale[:, None], mask=head_ok[:, None])
+
+
+def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor, softmax_scale: float,
+              out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
+              splits: int, has_extra: bool) -> None:
+    """The main kernel of the fused strategy, warp-specialised: fills out / lse, or with
+    ``splits > 1`` the partials ``part_out [T, S, H, 512]`` / ``part_lse [T, S, H]`` that the
+    caller combines. ``swa`` / ``extra``: ``(cache, page_size, indices, lengths)`` as normalised by
+    ``launch_sparse_attn`` (stand-ins for a ratio-0 layer's extra set)."""
+    T, H, _ = q.shape
+    head_blocks = triton.cdiv(H, HEAD_BLOCK)
+    swa_cache, swa_page_size, swa_indices, swa_lengths = swa
+    ex_cache, ex_page_size, ex_indices, ex_lengths = extra
+    _sparse_attn_ws[(T * head_blocks, splits)](
+        q, q.stride(0), q.stride(1),
+        swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices, swa_indices.stride(0),
+        swa_lengths, swa_indices.shape[1],
+        ex_cache, ex_cache.stride(0), ex_cache.shape[0] * ex_page_size, ex_indices, ex_indices.stride(0),
+        ex_lengths, ex_indices.shape[1] if has_extra else 0,
+        attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
+        SWA_P=swa_page_size, EX_P=ex_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
+        NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=BLOCK_N, STAGES=_STAGES,
+        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8, maxnreg=_MAX_REGS)
