@@ -95,11 +95,13 @@ def flashmla_raw(inp: AttnInputs):
 SWEEP = ((32, 3), (64, 3), (32, 2))  # fused path: (keys per block, pipeline stages)
 TWO_PASS_SWEEP = ((128, (4, 4), (3, 3)), (128, (4, 4), (2, 2)), (64, (4, 4), (3, 3)), (128, (8, 4), (3, 3)))
 # two-pass path: (keys per block, warps of the scores / values kernels, their pipeline stages)
+WS_SWEEP = ((64, 2), (32, 3), (32, 4))  # warp-specialised path on sm_90: (keys per ring slot, ring slots)
 
 
 def sweep_configs(inp: AttnInputs):
     """(label, launcher kwargs) for --sweep: fused path block sizes x stages and split counts
-    around the shape-based choice; two-pass path block sizes, warps and stages."""
+    around the shape-based choice; two-pass path block sizes, warps and stages; warp-specialised
+    ring shapes (sm_90 only)."""
     rows, heads, _ = inp.q.shape
     num_sms = K._num_sms(inp.q.device)
     head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
@@ -113,6 +115,10 @@ def sweep_configs(inp: AttnInputs):
         config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
         yield (f"2p_bn{block_n}_w{warps[0]}{warps[1]}_st{stages[0]}{stages[1]}",
                dict(path="two_pass", two_pass_config=config))
+    if ws.available(inp.q.device):
+        for block_n, stages in WS_SWEEP:
+            yield f"ws_bn{block_n}_st{stages}", dict(path="warp_specialized",
+                                                     ws_config=dict(block_n=block_n, stages=stages))
 
 
 def max_diff(got, want) -> dict:

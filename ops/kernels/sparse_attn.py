@@ -259,8 +259,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
                        extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
                        attn_sink: torch.Tensor, softmax_scale: float, *, path: str | None = None,
                        num_splits: int | None = None, block_n: int | None = None, num_stages: int = 3,
-                       pdl: bool | None = None, two_pass_config: dict | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       pdl: bool | None = None, two_pass_config: dict | None = None,
+                       ws_config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Sparse MQA with sink. Arguments as ``dsv4::sparse_attn`` (already checked).
 
     q: [T, H, 512] bf16; caches: [N_pages, page_bytes] uint8 (MODEL1, layout.py); indices: [T, K]
@@ -270,8 +270,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
 
     ``path``: one of ``PATHS`` (default ``choose_path``). ``num_splits`` overrides the shape-based
     split count of the fused and warp-specialised kernels (tests); ``block_n`` (keys per block,
-    default from the shapes) and ``num_stages`` tune the fused kernel, ``two_pass_config`` holds
-    ``launch_two_pass``'s knobs (benchmarks). ``pdl``: launch the fused kernel's split combine
+    default from the shapes) and ``num_stages`` tune the fused kernel; ``two_pass_config`` and
+    ``ws_config`` hold ``launch_two_pass``'s and ``launch_ws``'s knobs (benchmarks). ``pdl``: launch the fused kernel's split combine
     with programmatic dependent launch, so its launch overlaps the main grid (default: on sm_90+).
     """
     T, H, _ = q.shape
@@ -301,8 +301,9 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
                                          softmax_scale, out, lse, has_extra=has_extra, head_block=head_block,
                                          **(two_pass_config or {}))
         return out, lse
+    ws_config = ws_config or {}
     if path == "warp_specialized":
-        head_block, block_n = ws_kernels.HEAD_BLOCK, ws_kernels.BLOCK_N
+        head_block, block_n = ws_kernels.HEAD_BLOCK, ws_config.get("block_n", ws_kernels.BLOCK_N)
     else:
         block_n = block_n or default_block_n
     head_blocks = triton.cdiv(H, head_block)
@@ -317,7 +318,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     if path == "warp_specialized":
         ws_kernels.launch_ws(q, (swa_cache, swa_page_size, swa_indices, swa_lengths),
                              (extra_cache, extra_page_size, extra_indices, extra_lengths), attn_sink,
-                             softmax_scale, out, lse, part_out, part_lse, splits=splits, has_extra=has_extra)
+                             softmax_scale, out, lse, part_out, part_lse, splits=splits, has_extra=has_extra,
+                             **ws_config)
     else:
         _sparse_attn_fwd[(T * head_blocks, splits)](
             q, q.stride(0), q.stride(1),

@@ -222,11 +222,14 @@ if gluon is not None:
 
 def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor, softmax_scale: float,
               out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
-              splits: int, has_extra: bool) -> None:
+              splits: int, has_extra: bool, block_n: int = BLOCK_N, stages: int = _STAGES,
+              producer_regs: int = _PRODUCER_REGS, max_regs: int = _MAX_REGS) -> None:
     """The main kernel of the fused strategy, warp-specialised: fills out / lse, or with
     ``splits > 1`` the partials ``part_out [T, S, H, 512]`` / ``part_lse [T, S, H]`` that the
-    caller combines. ``swa`` / ``extra``: ``(cache, page_size, indices, lengths)`` as normalised by
-    ``launch_sparse_attn`` (stand-ins for a ratio-0 layer's extra set)."""
+    caller combines (splits counted in ``block_n``-key blocks). ``swa`` / ``extra``: ``(cache,
+    page_size, indices, lengths)`` as normalised by ``launch_sparse_attn`` (stand-ins for a ratio-0
+    layer's extra set). ``block_n`` (keys per ring slot), ``stages`` (ring slots) and the register
+    budgets are tuning knobs (benchmarks); the defaults are the ones tested on the H200."""
     T, H, _ = q.shape
     head_blocks = triton.cdiv(H, HEAD_BLOCK)
     swa_cache, swa_page_size, swa_indices, swa_lengths = swa
@@ -239,5 +242,5 @@ def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor
         ex_lengths, ex_indices.shape[1] if has_extra else 0,
         attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
         SWA_P=swa_page_size, EX_P=ex_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
-        NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=BLOCK_N, STAGES=_STAGES,
-        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=_PRODUCER_REGS, num_warps=8, maxnreg=_MAX_REGS)
+        NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=block_n, STAGES=stages,
+        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=producer_regs, num_warps=8, maxnreg=max_regs)
