@@ -241,7 +241,7 @@ PATHS = ("fused", "warp_specialized", "two_pass")
 
 def choose_path(num_rows: int, num_heads: int, width: int, device: torch.device) -> str:
     """``launch_sparse_attn``'s strategy, from shapes and the device: the warp-specialised kernel
-    on sm_90 (Gluon) wherever the fused kernel would use 64-head programs; elsewhere the two-pass
+    on sm_90 (``sparse_attn_ws.available``) wherever the fused kernel would use 64-head programs; elsewhere the two-pass
     kernels for many rows (``use_two_pass``) and the fused kernel for few. The 16-head fused
     programs of one or two rows stay (c4 Flash b=1: 11.7 µs against 12.3 warp-specialised)."""
     num_sms = _num_sms(device)
@@ -288,7 +288,8 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     if path not in PATHS:
         raise ValueError(f"launch_sparse_attn: path={path!r}; expected one of {PATHS}")
     if path == "warp_specialized" and not ws_kernels.available(q.device):
-        raise ValueError("launch_sparse_attn: the warp-specialised kernel needs Gluon and an sm_90 GPU")
+        raise ValueError("launch_sparse_attn: the warp-specialised kernel needs Gluon from Triton 3.6 "
+                         "and an sm_90 GPU")
     if T == 0:
         return out, lse
     num_sms = _num_sms(q.device)

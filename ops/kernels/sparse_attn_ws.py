@@ -13,9 +13,11 @@ so that gathering and dequantising keys overlaps the tensor cores:
   warpgroups), the online softmax in base 2, ``O += P K`` (P from registers; the fp32 ``[64, 512]``
   accumulator split by columns, 256 per warpgroup) and signals ``empty[slot]``.
 
-Needs Gluon (``triton.experimental.gluon``) and an sm_90 GPU (``wgmma``, ``setmaxnreg``); there is
-no interpreter path, so it is tested on the GPU only (``tests/gpu``), against the fp64 golden and
-the fused kernel.
+Needs Gluon (``triton.experimental.gluon``) as in Triton 3.6 and an sm_90 GPU (``wgmma``,
+``setmaxnreg``). Gluon is experimental and its API moves between releases (3.7 renamed
+``thread_barrier``), so other Triton versions use the Triton kernels until this one is verified
+on them. There is no interpreter path: it is tested on the GPU only (``tests/gpu``), against the
+fp64 golden and the fused kernel.
 
 Shape legend: T = query rows, H = heads, S = splits.
 """
@@ -46,11 +48,15 @@ _PRODUCER_REGS = 96
 _MAX_REGS = 168  # per thread over all 12 warps (65536 / 384, rounded down to a multiple of 8)
 
 
+VERIFIED_TRITON = "3.6."  # the Gluon API this module is written and tested against
+
+
 @functools.lru_cache(maxsize=None)
 def available(device: torch.device) -> bool:
-    """Gluon importable, compiled kernels (not the interpreter) and an sm_90 GPU."""
-    return (gluon is not None and not INTERPRET and device.type == "cuda"
-            and torch.cuda.get_device_capability(device)[0] == 9)
+    """Gluon importable from a verified Triton, compiled kernels (not the interpreter) and an
+    sm_90 GPU."""
+    return (gluon is not None and triton.__version__.startswith(VERIFIED_TRITON) and not INTERPRET
+            and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9)
 
 
 if gluon is not None:

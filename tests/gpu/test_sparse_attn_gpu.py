@@ -42,7 +42,7 @@ def _inputs(rows, heads, shape, seed=0, **kw):
 
 def _skip_unavailable(path):
     if path == "warp_specialized" and not ws.available(torch.device("cuda")):
-        pytest.skip("the warp-specialised kernel needs Gluon and an sm_90 GPU")
+        pytest.skip("the warp-specialised kernel needs Gluon from Triton 3.6 and an sm_90 GPU")
 
 
 def _check(inp, got, what):
