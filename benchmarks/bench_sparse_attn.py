@@ -6,15 +6,17 @@ Usage:
         [--kernel-info]
 
 Implementations: ``triton`` (the op, which picks the fused, warp-specialised or two-pass path from
-the shapes and the GPU), ``triton_fused``, ``triton_ws`` and ``triton_two_pass`` (each path
-forced; ``triton_ws`` reports an error off sm_90), ``flashmla``, ``flashmla_op``, ``reference``. Every implementation is timed the same way: ``--reps`` back-to-back calls captured in one
+the shapes and the GPU), ``triton_fused``, ``triton_ws`` and ``triton_two_pass`` (each path forced;
+``triton_ws`` reports an error off sm_90), ``flashmla``, ``flashmla_op``, ``reference``. Every
+implementation is timed the same way: ``--reps`` back-to-back calls captured in one
 ``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times, each replay timed with CUDA events;
 the median per call is reported (warm L2: the same inputs every call). FlashMLA is timed as the raw
-``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata
-(the GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included).
-The reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also
-times both Triton paths over block sizes, warps, pipeline stages and (fused) split counts; ``--kernel-info``
-prints registers, spills and shared memory of every compiled Triton variant at the end.
+``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata (the
+GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included). The
+reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also times
+the fused path over block sizes, pipeline stages and split counts, the two-pass path over block
+sizes, warps and stages, and on sm_90 the warp-specialised ring shapes; ``--kernel-info`` prints
+registers, spills and shared memory of every compiled kernel variant at the end.
 
 Columns: µs per call; TFLOPS-equivalent, ``flops()``; GB/s, ``bytes()``; ratio = FlashMLA µs / µs
 (> 1: faster than FlashMLA). Inputs are full-length rows (no holes), every row with its own

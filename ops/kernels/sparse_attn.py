@@ -271,8 +271,9 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     ``path``: one of ``PATHS`` (default ``choose_path``). ``num_splits`` overrides the shape-based
     split count of the fused and warp-specialised kernels (tests); ``block_n`` (keys per block,
     default from the shapes) and ``num_stages`` tune the fused kernel; ``two_pass_config`` and
-    ``ws_config`` hold ``launch_two_pass``'s and ``launch_ws``'s knobs (benchmarks). ``pdl``: launch the fused kernel's split combine
-    with programmatic dependent launch, so its launch overlaps the main grid (default: on sm_90+).
+    ``ws_config`` hold ``launch_two_pass``'s and ``launch_ws``'s knobs (benchmarks). ``pdl``: launch
+    the fused kernel's split combine with programmatic dependent launch, so its launch overlaps the
+    main grid (default: on sm_90+).
     """
     T, H, _ = q.shape
     q, swa_cache, swa_indices, swa_lengths, attn_sink = map(
