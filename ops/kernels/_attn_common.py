@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from ... import layout
-from ...config import NOPE_DIM, ROPE_DIM
+from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
 
 TILE = tl.constexpr(layout.FP8_TILE)
 NUM_NOPE_TILES = tl.constexpr(layout.NUM_TILES)
@@ -21,9 +21,11 @@ DATA_BYTES = tl.constexpr(layout.TOKEN_DATA_BYTES)
 SCALE_BYTES = tl.constexpr(layout.TOKEN_SCALE_BYTES)
 NOPE = tl.constexpr(NOPE_DIM)
 ROPE = tl.constexpr(ROPE_DIM)
+DIM = tl.constexpr(HEAD_DIM)
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 assert layout.TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM and ROPE_DIM == layout.FP8_TILE
+assert HEAD_DIM == NOPE_DIM + ROPE_DIM
 
 
 @triton.jit

@@ -20,10 +20,6 @@ from ... import layout as L
 from ...config import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM, ROPE_DIM
 from ._launch import INTERPRET
 
-# SOFT_FP8 (under the interpreter): its fp32 -> fp8 cast mis-rounds when the mantissa carries into
-# the exponent (it can halve a value), so there the cast is done in integer arithmetic, which is
-# exact everywhere.
-
 
 @triton.jit
 def _ceil_log2(x):
@@ -49,7 +45,9 @@ def _e4m3_rne_bits(x):
 
 @triton.jit
 def _to_e4m3_bits(x, SOFT_FP8: tl.constexpr):
-    """``x`` (fp32, clamped to +-448) as float8_e4m3fn bits (uint8)."""
+    """``x`` (fp32, clamped to +-448) as float8_e4m3fn bits (uint8). ``SOFT_FP8`` (launchers pass
+    it under the interpreter, whose fp32 -> fp8 cast mis-rounds when the mantissa carries into the
+    exponent and can halve a value): the cast in integer arithmetic, which is exact everywhere."""
     if SOFT_FP8:
         return _e4m3_rne_bits(x)
     else:

@@ -32,25 +32,21 @@ import triton
 import triton.language as tl
 
 from ... import layout
-from ...config import HEAD_DIM, NOPE_DIM, ROPE_DIM
+from ...config import HEAD_DIM, NOPE_DIM
 from . import sparse_attn_two_pass as two_pass_kernels
 from . import sparse_attn_ws as ws_kernels
 from ._launch import INTERPRET, has_pdl, unit_stride
-from ._attn_common import (LN2, LOG2E, dequant_nope, gather_entries, load_rope, row_key_counts,
-                           scale_word, sink_gate)
+from ._attn_common import (DIM, LN2, LOG2E, NOPE, ROPE, dequant_nope, gather_entries, load_rope,
+                           row_key_counts, scale_word, sink_gate)
 
 _MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
 _MIN_HEAD_BLOCK = 16  # smallest tl.dot tile
 # Column groups of a key: nope [0, 256), [256, 384), [384, 448), rope [448, 512). Each nope group
 # is a whole number of 64-wide scale tiles whose scale bytes lie in one 4-byte word of the entry's
 # scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
-_NOPE = tl.constexpr(NOPE_DIM)
-_ROPE = tl.constexpr(ROPE_DIM)
-_DIM = tl.constexpr(HEAD_DIM)
 _G1 = tl.constexpr(256)
 _G2 = tl.constexpr(384)
 assert 256 == 4 * layout.FP8_TILE and 384 % layout.FP8_TILE == 0 and NOPE_DIM == 7 * layout.FP8_TILE
-assert HEAD_DIM == NOPE_DIM + ROPE_DIM
 
 
 @triton.jit
@@ -93,8 +89,8 @@ def _sparse_attn_fwd(
     q_rows = q + row * stride_qt + heads[:, None] * stride_qh
     q0 = _load_q(q_rows, head_ok, 0, _G1, DTYPE)
     q1 = _load_q(q_rows, head_ok, _G1, _G2 - _G1, DTYPE)
-    q2 = _load_q(q_rows, head_ok, _G2, _NOPE - _G2, DTYPE)
-    q3 = _load_q(q_rows, head_ok, _NOPE, _ROPE, DTYPE)
+    q2 = _load_q(q_rows, head_ok, _G2, NOPE - _G2, DTYPE)
+    q3 = _load_q(q_rows, head_ok, NOPE, ROPE, DTYPE)
 
     n_swa, n_all = row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA)
     chunk = tl.cdiv(tl.cdiv(n_all, num_splits), BLOCK_N) * BLOCK_N
@@ -105,8 +101,8 @@ def _sparse_attn_fwd(
     l = tl.zeros((HEAD_BLOCK,), tl.float32)
     acc0 = tl.zeros((HEAD_BLOCK, _G1), tl.float32)
     acc1 = tl.zeros((HEAD_BLOCK, _G2 - _G1), tl.float32)
-    acc2 = tl.zeros((HEAD_BLOCK, _NOPE - _G2), tl.float32)
-    acc3 = tl.zeros((HEAD_BLOCK, _ROPE), tl.float32)
+    acc2 = tl.zeros((HEAD_BLOCK, NOPE - _G2), tl.float32)
+    acc3 = tl.zeros((HEAD_BLOCK, ROPE), tl.float32)
     for start in range(lo, hi, BLOCK_N):
         data, scales, valid = gather_entries(
             start + tl.arange(0, BLOCK_N), hi, n_swa, row,
@@ -116,7 +112,7 @@ def _sparse_attn_fwd(
         s_hi = scale_word(scales, valid, 1)
         k0 = dequant_nope(data, s_lo, valid, 0, _G1, DTYPE)
         k1 = dequant_nope(data, s_hi, valid, _G1, _G2 - _G1, DTYPE)
-        k2 = dequant_nope(data, s_hi, valid, _G2, _NOPE - _G2, DTYPE)
+        k2 = dequant_nope(data, s_hi, valid, _G2, NOPE - _G2, DTYPE)
         k3 = load_rope(data, valid, DTYPE)
 
         s = tl.dot(q0, tl.trans(k0))
@@ -141,19 +137,19 @@ def _sparse_attn_fwd(
     if not SPLIT:
         scale = tl.where(empty, 0.0, sink_gate(sink, heads, head_ok, lse2) / l)
         tl.store(lse + row * num_heads + heads, tl.where(empty, float("inf"), lse2 * LN2), mask=head_ok)
-        dst = out + (row * num_heads + heads[:, None]) * _DIM
+        dst = out + (row * num_heads + heads[:, None]) * DIM
         ODTYPE: tl.constexpr = tl.bfloat16
     else:
         scale = tl.where(empty, 0.0, 1.0 / l)
         slot = (row * num_splits + split) * num_heads + heads
         tl.store(part_lse + slot, tl.where(empty, float("-inf"), lse2), mask=head_ok)
-        dst = part_out + slot[:, None] * _DIM
+        dst = part_out + slot[:, None] * DIM
         ODTYPE: tl.constexpr = tl.float32
     mask = head_ok[:, None]
     _store_cols(dst, acc0, scale, mask, 0, _G1, ODTYPE)
     _store_cols(dst, acc1, scale, mask, _G1, _G2 - _G1, ODTYPE)
-    _store_cols(dst, acc2, scale, mask, _G2, _NOPE - _G2, ODTYPE)
-    _store_cols(dst, acc3, scale, mask, _NOPE, _ROPE, ODTYPE)
+    _store_cols(dst, acc2, scale, mask, _G2, NOPE - _G2, ODTYPE)
+    _store_cols(dst, acc3, scale, mask, NOPE, ROPE, ODTYPE)
 
 
 @triton.jit
@@ -172,7 +168,7 @@ def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_P
     has = sp < num_splits
     part = tl.load(part_lse + first + sp * num_heads, mask=has, other=float("-inf"))
     d = tl.program_id(1) * COLS + tl.arange(0, COLS)
-    parts = tl.load(part_out + (first + sp * num_heads)[:, None] * _DIM + d[None, :], mask=has[:, None], other=0.0)
+    parts = tl.load(part_out + (first + sp * num_heads)[:, None] * DIM + d[None, :], mask=has[:, None], other=0.0)
     m2 = tl.max(part, 0)
     m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
     w = tl.exp2(part - m_safe)  # 0 for splits without keys (their part_out is 0)
@@ -180,8 +176,8 @@ def _combine(part_out, part_lse, sink, out, lse, num_heads, num_splits, SPLITS_P
     acc = tl.sum(w[:, None] * parts, 0)
     empty = total == 0.0
     lse2 = tl.where(empty, 0.0, m_safe + tl.log2(total))
-    gate = 1.0 / (1.0 + tl.exp2(tl.load(sink + head) * LOG2E - lse2))
-    tl.store(out + row_head * _DIM + d, tl.where(empty, 0.0, acc * (gate / total)).to(tl.bfloat16))
+    gate = sink_gate(sink, head, True, lse2)
+    tl.store(out + row_head * DIM + d, tl.where(empty, 0.0, acc * (gate / total)).to(tl.bfloat16))
     if tl.program_id(1) == 0:
         tl.store(lse + row_head, tl.where(empty, float("inf"), lse2 * LN2))
 

@@ -33,11 +33,10 @@ import triton
 import triton.language as tl
 
 from ...config import HEAD_DIM
-from ._attn_common import (LN2, LOG2E, NUM_NOPE_TILES, TILE, dequant_tile, gather_entries, load_rope,
+from ._attn_common import (DIM, LN2, LOG2E, NUM_NOPE_TILES, TILE, dequant_tile, gather_entries, load_rope,
                            row_key_counts, scale_word, sink_gate)
 from ._launch import INTERPRET
 
-_DIM = tl.constexpr(HEAD_DIM)
 _NUM_PAIRS = HEAD_DIM // 128  # output column pairs of 64-wide tiles (7 nope + rope)
 _COL_PAIRS = tl.constexpr(_NUM_PAIRS)
 _WORKSPACE_BYTES = 1 << 29  # probabilities of one chunk of rows (512 MiB)
@@ -173,7 +172,7 @@ def _block_values(
     empty = l == 0.0
     lse2 = tl.where(empty, 0.0, m_safe + tl.log2(l))
     scale = tl.where(empty, 0.0, sink_gate(sink, heads, head_ok, lse2) / l)[:, None]
-    dst = out + row_heads[:, None] * _DIM + (tile * TILE + tl.arange(0, TILE))[None, :]
+    dst = out + row_heads[:, None] * DIM + (tile * TILE + tl.arange(0, TILE))[None, :]
     tl.store(dst, (acc_a * scale).to(tl.bfloat16), mask=head_ok[:, None])
     tl.store(dst + TILE, (acc_b * scale).to(tl.bfloat16), mask=head_ok[:, None])
     if tile == 0:
