@@ -235,13 +235,12 @@ def use_two_pass(num_rows: int, num_head_blocks: int, width: int) -> bool:
 PATHS = ("fused", "warp_specialized", "two_pass")
 
 
-def choose_path(num_rows: int, num_heads: int, width: int, device: torch.device) -> str:
-    """``launch_sparse_attn``'s strategy, from shapes and the device: the warp-specialised kernel
-    on sm_90 (``sparse_attn_ws.available``) wherever the fused kernel would use 64-head programs; elsewhere the two-pass
-    kernels for many rows (``use_two_pass``) and the fused kernel for few. The 16-head fused
-    programs of one or two rows stay (c4 Flash b=1: 11.7 µs against 12.3 warp-specialised)."""
-    num_sms = _num_sms(device)
-    head_block, _ = choose_tiling(num_rows, num_heads, width, num_sms)
+def choose_path(num_rows: int, num_heads: int, head_block: int, width: int, device: torch.device) -> str:
+    """``launch_sparse_attn``'s strategy, from the shapes, the fused kernel's heads per program
+    (``choose_tiling``) and the device: the warp-specialised kernel on sm_90
+    (``sparse_attn_ws.available``) wherever the fused kernel would use 64-head programs; elsewhere
+    the two-pass kernels for many rows (``use_two_pass``) and the fused kernel for few. The 16-head
+    fused programs of one or two rows stay (c4 Flash b=1: 11.7 µs against 12.3 warp-specialised)."""
     if head_block == ws_kernels.HEAD_BLOCK and ws_kernels.available(device):
         return "warp_specialized"
     if use_two_pass(num_rows, triton.cdiv(num_heads, head_block), width):
@@ -281,7 +280,9 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
     lse = torch.empty(T, H, dtype=torch.float32, device=q.device)
     has_extra = extra_cache is not None
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    path = path or choose_path(T, H, width, q.device)
+    num_sms = _num_sms(q.device)
+    head_block, default_block_n = choose_tiling(T, H, width, num_sms)
+    path = path or choose_path(T, H, head_block, width, q.device)
     if path not in PATHS:
         raise ValueError(f"launch_sparse_attn: path={path!r}; expected one of {PATHS}")
     if path == "warp_specialized" and not ws_kernels.available(q.device):
@@ -289,8 +290,6 @@ def launch_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: 
                          "and an sm_90 GPU")
     if T == 0:
         return out, lse
-    num_sms = _num_sms(q.device)
-    head_block, default_block_n = choose_tiling(T, H, width, num_sms)
     if not has_extra:  # unused pointers / widths of the absent list
         extra_cache, extra_indices, extra_lengths, extra_page_size = swa_cache, swa_indices, swa_lengths, 1
     if path == "two_pass":

@@ -147,4 +147,6 @@ def test_each_path(rows, heads, shape, path):
 def test_warp_specialized_is_the_default_on_sm90():
     inp = _inputs(32, 64, "c4_top512")
     want = "warp_specialized" if ws.available(inp.q.device) else "two_pass"
-    assert K.choose_path(32, 64, inp.entries_per_row(), inp.q.device) == want
+    width = inp.entries_per_row()
+    head_block, _ = K.choose_tiling(32, 64, width, K._num_sms(inp.q.device))
+    assert K.choose_path(32, 64, head_block, width, inp.q.device) == want
