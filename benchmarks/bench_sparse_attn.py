@@ -15,8 +15,9 @@ the median per call is reported (warm L2: the same inputs every call). FlashMLA 
 GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included). The
 reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also times
 the fused path over block sizes, pipeline stages and split counts, the two-pass path over block
-sizes, warps and stages, and on sm_90 the warp-specialised ring shapes; ``--kernel-info`` prints
-registers, spills and shared memory of every compiled kernel variant at the end.
+sizes, warps and stages, and on sm_90 the warp-specialised ring shapes and L2 prefetch;
+``--kernel-info`` prints registers, spills and shared memory of every compiled kernel variant at
+the end.
 
 Columns: µs per call; TFLOPS-equivalent, ``flops()``; GB/s, ``bytes()``; ratio = FlashMLA µs / µs
 (> 1: faster than FlashMLA). Inputs are full-length rows (no holes), every row with its own
@@ -97,13 +98,14 @@ def flashmla_raw(inp: AttnInputs):
 SWEEP = ((32, 3), (64, 3), (32, 2))  # fused path: (keys per block, pipeline stages)
 TWO_PASS_SWEEP = ((128, (4, 4), (3, 3)), (128, (4, 4), (2, 2)), (64, (4, 4), (3, 3)), (128, (8, 4), (3, 3)))
 # two-pass path: (keys per block, warps of the scores / values kernels, their pipeline stages)
-WS_SWEEP = ((64, 2), (32, 3), (32, 4))  # warp-specialised path on sm_90: (keys per ring slot, ring slots)
+WS_SWEEP = ((64, 2, True), (64, 2, False), (32, 3, None), (32, 4, None))
+# warp-specialised path on sm_90: (keys per ring slot, ring slots, L2 prefetch; None: by list length)
 
 
 def sweep_configs(inp: AttnInputs):
     """(label, launcher kwargs) for --sweep: fused path block sizes x stages and split counts
     around the shape-based choice; two-pass path block sizes, warps and stages; warp-specialised
-    ring shapes (sm_90 only)."""
+    ring shapes and L2 prefetch (sm_90 only)."""
     rows, heads, _ = inp.q.shape
     num_sms = K._num_sms(inp.q.device)
     head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
@@ -118,9 +120,10 @@ def sweep_configs(inp: AttnInputs):
         yield (f"2p_bn{block_n}_w{warps[0]}{warps[1]}_st{stages[0]}{stages[1]}",
                dict(path="two_pass", two_pass_config=config))
     if ws.available(inp.q.device):
-        for block_n, stages in WS_SWEEP:
-            yield f"ws_bn{block_n}_st{stages}", dict(path="warp_specialized",
-                                                     ws_config=dict(block_n=block_n, stages=stages))
+        for block_n, stages, prefetch in WS_SWEEP:
+            label = "" if prefetch is None else ("_pf" if prefetch else "_nopf")
+            yield f"ws_bn{block_n}_st{stages}{label}", dict(
+                path="warp_specialized", ws_config=dict(block_n=block_n, stages=stages, prefetch=prefetch))
 
 
 def max_diff(got, want) -> dict:

@@ -4,10 +4,12 @@ The same work split as the fused kernel (``sparse_attn.py``: one program per que
 block and split of the key list; its split combine is reused), but the program's warps specialise
 so that gathering and dequantising keys overlaps the tensor cores:
 
-* a producer partition (4 warps, 96 registers) walks the key blocks: it gathers ``BLOCK_N``
+* a producer partition (4 warps, 120 registers) walks the key blocks: it gathers ``BLOCK_N``
   MODEL1 entries by slot, dequantises the 7 fp8 tiles (the rope tile is bf16 already) into a
   bf16 ``[BLOCK_N, 512]`` slot of a shared-memory ring, stores the keys' valid flags next to it
-  and signals ``ready[slot]``;
+  and signals ``ready[slot]``. Its gather latency is what the consumers wait for (``ncu``), so it
+  loads the next block's slot ids while gathering the current one, issues all of a block's
+  loads before converting any, and on long lists prefetches the entries two blocks ahead into L2;
 * the default partition (8 warps: two consumer warpgroups) waits for ``ready[slot]``, computes
   ``S = Q K^T`` with ``wgmma`` (Q staged once in shared memory; S split by keys across the two
   warpgroups), the online softmax in base 2, ``O += P K`` (P from registers; the fp32 ``[64, 512]``
@@ -44,8 +46,9 @@ HEAD_BLOCK = 64  # heads per program (fewer are padded): one wgmma M
 BLOCK_N = 64  # keys per ring slot
 _STAGES = 2  # ring slots: 2 x 64 KB of bf16 keys + 64 KB of q fill the shared memory
 _PRODUCER_WARPS = 4
-_PRODUCER_REGS = 96
+_PRODUCER_REGS = 120  # holds a block's raw bytes (72 registers) and the next block's slots unspilled
 _MAX_REGS = 168  # per thread over all 12 warps (65536 / 384, rounded down to a multiple of 8)
+_PREFETCH_MIN_KEYS = 2048  # L2 prefetch pays from about 32 blocks per split (c128 @1M: 7 %), costs below
 
 
 VERIFIED_TRITON = "3.6."  # the Gluon API this module is written and tested against
@@ -65,61 +68,111 @@ if gluon is not None:
     _DIM = gl.constexpr(HEAD_DIM)
 
     @gluon.jit
-    def _slots(idx_row, m, in_set, capacity, P: gl.constexpr):
-        """Slots at list positions ``m`` -> (page int64, offset in page, valid); as
-        ``_attn_common._slots`` (a Gluon function cannot call a Triton one)."""
-        slot = gl.load(idx_row + m, mask=in_set, other=-1)
-        ok = in_set & (slot >= 0) & (slot < capacity)
-        slot = gl.where(ok, slot, 0).to(gl.int32)
-        return (slot // P).to(gl.int64), slot % P, ok
+    def _list_slots(swa_idx_row, ex_idx_row, pos, n_swa, hi, HAS_EXTRA: gl.constexpr):
+        """Slot ids at positions ``pos`` of the row's key list (the SWA list, then the extra
+        list from ``n_swa``); -1 at and past ``hi``."""
+        slot = gl.load(swa_idx_row + pos, mask=pos < gl.minimum(n_swa, hi), other=-1)
+        if HAS_EXTRA:
+            ex_slot = gl.load(ex_idx_row + (pos - n_swa), mask=(pos >= n_swa) & (pos < hi), other=-1)
+            slot = gl.where(pos < n_swa, slot, ex_slot)
+        return slot
+
+    @gluon.jit
+    def _entry_ptrs(slot, in_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
+                    SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr):
+        """Slots (of the SWA cache where ``in_swa``, else the extra cache) -> (entry data
+        pointer, scale-bytes pointer, valid); invalid slots point at slot 0."""
+        valid = (slot >= 0) & (slot < gl.where(in_swa, swa_capacity, ex_capacity))
+        slot = gl.where(valid, slot, 0)
+        base = swa_cache + (slot // SWA_P).to(gl.int64) * swa_page_stride
+        data = base + (slot % SWA_P) * 576
+        scales = base + SWA_P * 576 + (slot % SWA_P) * 8
+        if HAS_EXTRA:
+            ex_base = ex_cache + (slot // EX_P).to(gl.int64) * ex_page_stride
+            data = gl.where(in_swa, data, ex_base + (slot % EX_P) * 576)
+            scales = gl.where(in_swa, scales, ex_base + EX_P * 576 + (slot % EX_P) * 8)
+        return data, scales, valid
+
+    @gluon.jit
+    def _prefetch_l2(ptrs):
+        """``prefetch.global.L2`` at each address (no result; asm with a side effect is kept)."""
+        gl.inline_asm_elementwise(asm="prefetch.global.L2 [$1];\n mov.u32 $0, 0;", constraints="=r,l",
+                                  args=[ptrs], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _prefetch_block(slot, pos, n_swa,
+                        swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
+                        SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, PL: gl.constexpr):
+        """Pull a block's entries into L2: the 576 data bytes (5 lines, plus the last byte for
+        entries that straddle a sixth) and the scale bytes. ``slot`` / ``pos``: [BLOCK] in
+        ``SliceLayout(1, PL)``, PL a [BLOCK, 8] layout."""
+        data, scales, valid = _entry_ptrs(slot, pos < n_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache,
+                                          ex_page_stride, ex_capacity, SWA_P, EX_P, HAS_EXTRA)
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
+        lines = gl.where(c[None, :] < 6, data[:, None] + gl.minimum(c * 128, 575)[None, :], scales[:, None])
+        _prefetch_l2(lines)
 
     @gluon.jit
     def _producer(k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
                   swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
                   ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
                   SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, BLOCK: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """Keys ``[lo, hi)`` of ``row``, BLOCK per ring slot: gather, dequantise, signal."""
+                  STAGES: gl.constexpr, PREFETCH: gl.constexpr):
+        """Keys ``[lo, hi)`` of ``row``, BLOCK per ring slot: gather, dequantise, signal.
+
+        The gather latency is the producer's critical path, so it runs ahead: the slot ids of
+        block j+1 are loaded while block j is gathered, and block j+2's entries are prefetched
+        into L2 after block j is stored."""
         KL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bytes
         RL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bf16
+        PL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])  # [BLOCK, 8] prefetch lines
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, KL))
         rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, RL))
+        swa_idx_row = swa_idx + row * stride_swa_idx
+        ex_idx_row = ex_idx + row * stride_ex_idx
+        block_pos = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, KL))
+        pf_pos = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, PL))
+        slot = _list_slots(swa_idx_row, ex_idx_row, lo + block_pos, n_swa, hi, HAS_EXTRA)
+        if PREFETCH:
+            _prefetch_block(_list_slots(swa_idx_row, ex_idx_row, lo + BLOCK + pf_pos, n_swa, hi, HAS_EXTRA),
+                            lo + BLOCK + pf_pos, n_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache,
+                            ex_page_stride, ex_capacity, SWA_P, EX_P, HAS_EXTRA, PL)
         for j in range(gl.cdiv(hi - lo, BLOCK)):
-            slot = j % STAGES
-            mbarrier.wait(empty.index(slot), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
-            pos = lo + j * BLOCK + gl.arange(0, BLOCK, layout=gl.SliceLayout(1, KL))
-            in_swa = pos < n_swa
-            page, off, valid = _slots(swa_idx + row * stride_swa_idx, pos, in_swa & (pos < hi), swa_capacity, SWA_P)
-            base = swa_cache + page * swa_page_stride
-            data = base + off * 576
-            scales = base + SWA_P * 576 + off * 8
-            if HAS_EXTRA:
-                ex_page, ex_off, ex_valid = _slots(ex_idx + row * stride_ex_idx, pos - n_swa,
-                                                   (pos >= n_swa) & (pos < hi), ex_capacity, EX_P)
-                ex_base = ex_cache + ex_page * ex_page_stride
-                data = gl.where(in_swa, data, ex_base + ex_off * 576)
-                scales = gl.where(in_swa, scales, ex_base + EX_P * 576 + ex_off * 8)
-                valid = valid | ex_valid
+            start = lo + j * BLOCK
+            data, scales, valid = _entry_ptrs(slot, start + block_pos < n_swa, swa_cache, swa_page_stride,
+                                              swa_capacity, ex_cache, ex_page_stride, ex_capacity,
+                                              SWA_P, EX_P, HAS_EXTRA)
             words = scales.to(gl.pointer_type(gl.int32))  # scale bytes 0-3, 4-7
             s_lo = gl.load(words, mask=valid, other=0)
             s_hi = gl.load(words + 1, mask=valid, other=0)
-            keys = k_ring.index(slot)
+            raws = ()  # all 7 fp8 tiles in flight before the first conversion
             for t in gl.static_range(7):
-                raw = gl.load(data[:, None] + (cols + t * 64)[None, :], mask=valid[:, None], other=0)
+                raws = raws + (gl.load(data[:, None] + (cols + t * 64)[None, :], mask=valid[:, None], other=0),)
+            rope = gl.convert_layout((data + 448).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, RL))
+            rope_ok = gl.convert_layout(valid, gl.SliceLayout(1, RL))
+            rope_vals = gl.load(rope[:, None] + rope_cols[None, :], mask=rope_ok[:, None], other=0.0)
+            slot = _list_slots(swa_idx_row, ex_idx_row, start + BLOCK + block_pos, n_swa, hi, HAS_EXTRA)
+            if PREFETCH:
+                pf_slot = _list_slots(swa_idx_row, ex_idx_row, start + 2 * BLOCK + pf_pos, n_swa, hi, HAS_EXTRA)
+            buf = j % STAGES
+            mbarrier.wait(empty.index(buf), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
+            keys = k_ring.index(buf)
+            for t in gl.static_range(7):
                 if t < 4:
                     e = (s_lo >> (8 * t)) & 0xFF
                 else:
                     e = (s_hi >> (8 * (t - 4))) & 0xFF
                 scale = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
-                tile = raw.to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
+                tile = raws[t].to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
                 keys.slice(t * 64, 64, dim=1).store(tile.to(gl.bfloat16))
-            rope = gl.convert_layout((data + 448).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, RL))
-            rope_ok = gl.convert_layout(valid, gl.SliceLayout(1, RL))
-            keys.slice(448, 64, dim=1).store(gl.load(rope[:, None] + rope_cols[None, :], mask=rope_ok[:, None],
-                                                     other=0.0))
-            valid_ring.index(slot).store(valid.to(gl.int8))
+            keys.slice(448, 64, dim=1).store(rope_vals)
+            valid_ring.index(buf).store(valid.to(gl.int8))
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
-            mbarrier.arrive(ready.index(slot), count=1)
+            mbarrier.arrive(ready.index(buf), count=1)
+            if PREFETCH:
+                _prefetch_block(pf_slot, start + 2 * BLOCK + pf_pos, n_swa,
+                                swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
+                                SWA_P, EX_P, HAS_EXTRA, PL)
 
     @gluon.jit
     def _consumer(q_smem, k_ring, valid_ring, ready, empty, lo, hi, qk_scale,
@@ -162,7 +215,7 @@ if gluon is not None:
         sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
         SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLIT: gl.constexpr,
         NUM_HEAD_BLOCKS: gl.constexpr, HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
-        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
+        PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
     ):
         """Grid ``(T * NUM_HEAD_BLOCKS, S)``, 8 warps (+ the producer's). Outputs as
         ``sparse_attn._sparse_attn_fwd``: out / lse, or with SPLIT the partials for ``_combine``."""
@@ -202,7 +255,7 @@ if gluon is not None:
             (_producer, (k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
                          swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
                          ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
-                         SWA_P, EX_P, HAS_EXTRA, BLOCK, STAGES)),
+                         SWA_P, EX_P, HAS_EXTRA, BLOCK, STAGES, PREFETCH)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
         rows_layout: gl.constexpr = gl.SliceLayout(1, MMA_O)
@@ -229,17 +282,23 @@ if gluon is not None:
 def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor, softmax_scale: float,
               out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
               splits: int, has_extra: bool, block_n: int = BLOCK_N, stages: int = _STAGES,
-              producer_regs: int = _PRODUCER_REGS, max_regs: int = _MAX_REGS) -> None:
+              producer_regs: int = _PRODUCER_REGS, max_regs: int = _MAX_REGS, prefetch: bool | None = None
+              ) -> None:
     """The main kernel of the fused strategy, warp-specialised: fills out / lse, or with
     ``splits > 1`` the partials ``part_out [T, S, H, 512]`` / ``part_lse [T, S, H]`` that the
     caller combines (splits counted in ``block_n``-key blocks). ``swa`` / ``extra``: ``(cache,
     page_size, indices, lengths)`` as normalised by ``launch_sparse_attn`` (stand-ins for a ratio-0
     layer's extra set). ``block_n`` (keys per ring slot), ``stages`` (ring slots) and the register
-    budgets are tuning knobs (benchmarks); the defaults are the ones tested on the H200."""
+    budgets are tuning knobs (benchmarks); the defaults are the ones tested on the H200.
+    ``prefetch``: the producer's L2 prefetch two blocks ahead; by default on when a split can hold
+    ``_PREFETCH_MIN_KEYS`` keys (it costs a little on short lists)."""
     T, H, _ = q.shape
     head_blocks = triton.cdiv(H, HEAD_BLOCK)
     swa_cache, swa_page_size, swa_indices, swa_lengths = swa
     ex_cache, ex_page_size, ex_indices, ex_lengths = extra
+    width = swa_indices.shape[1] + (ex_indices.shape[1] if has_extra else 0)
+    if prefetch is None:
+        prefetch = width >= _PREFETCH_MIN_KEYS * splits
     _sparse_attn_ws[(T * head_blocks, splits)](
         q, q.stride(0), q.stride(1),
         swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices, swa_indices.stride(0),
@@ -249,4 +308,5 @@ def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor
         attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
         SWA_P=swa_page_size, EX_P=ex_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
         NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=block_n, STAGES=stages,
-        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=producer_regs, num_warps=8, maxnreg=max_regs)
+        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=producer_regs, PREFETCH=prefetch, num_warps=8,
+        maxnreg=max_regs)

@@ -7,7 +7,8 @@ widths 64 / 1024 / 8192); T from 1 (split-KV + combine) to 4096; each path also 
 sizes. Inputs have
 -1 holes, sentinel indices, ragged lengths, empty and all-invalid rows, sinks of +inf / -inf.
 Also: split counts agree, int64 indices, CUDA-graph capture and replay with new index values, the
-``DSV4_ATTN_IMPL=flashmla`` switch.
+``DSV4_ATTN_IMPL=flashmla`` switch, exact dequantisation of every e4m3 code (one-key rows), the
+warp-specialised kernel's L2 prefetch leaving results unchanged.
 """
 
 import pytest
@@ -17,6 +18,7 @@ from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
 from dsv4_compile.ops.kernels import sparse_attn_ws as ws
 from dsv4_compile.reference import sparse_attn as ref
+from dsv4_compile.reference.quant import dequantize_model1, model1_page_views
 from dsv4_compile.testing.attn_inputs import assert_attn_close, golden_sparse_attn, make_attn_inputs
 
 pytestmark = pytest.mark.gpu
@@ -150,3 +152,36 @@ def test_warp_specialized_is_the_default_on_sm90():
     width = inp.entries_per_row()
     head_block, _ = K.choose_tiling(32, 64, width, K._num_sms(inp.q.device))
     assert K.choose_path(32, 64, head_block, width, inp.q.device) == want
+
+
+@pytest.mark.parametrize("path", K.PATHS)
+def test_one_key_rows_return_the_dequantised_key(path):
+    """With one key and a -inf sink a row's output is that key, bit for bit: every e4m3 code
+    (NaN codes excepted) under scale bytes 2^-22 .. 2^13 (the quantiser's range and beyond)
+    must dequantise exactly as the reference does."""
+    _skip_unavailable(path)
+    inp = make_attn_inputs(64, 64, extra=None, seed=1, device="cuda")
+    inp.swa_lengths.fill_(1)
+    inp.attn_sink.fill_(float("-inf"))
+    slots = inp.swa_indices[:, 0].long()
+    page, offset = slots // inp.swa_page_size, slots % inp.swa_page_size
+    data, scales = model1_page_views(inp.swa_cache, inp.swa_page_size)
+    codes = torch.arange(64 * 448, device="cuda") % 256
+    data[page, offset, :448] = torch.where(codes % 128 == 127, 0, codes).to(torch.uint8).view(64, 448)
+    exponents = torch.tensor([105, 113, 120, 126, 127, 128, 133, 134, 135, 140], device="cuda")
+    scales[page, offset, :7] = exponents[torch.arange(64 * 7, device="cuda") % 10].to(torch.uint8).view(64, 7)
+    want = dequantize_model1(data[page, offset], scales[page, offset]).to(torch.bfloat16)
+    out, lse = K.launch_sparse_attn(*inp.args(), path=path)
+    assert torch.isfinite(lse).all()
+    torch.testing.assert_close(out.float(), want[:, None].expand_as(out).float(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rows, shape", [(7, "c128_1m"), (130, "c4_top512")])
+def test_ws_prefetch_leaves_results_unchanged(rows, shape):
+    """The L2 prefetch (on by default for long lists only) moves no values: forced on and off,
+    the outputs are bitwise equal."""
+    _skip_unavailable("warp_specialized")
+    inp = _inputs(rows, 64, shape, seed=9)
+    on, off = (K.launch_sparse_attn(*inp.args(), path="warp_specialized", ws_config=dict(prefetch=flag))
+               for flag in (True, False))
+    torch.testing.assert_close(on, off, rtol=0, atol=0)
