@@ -70,12 +70,12 @@ if gluon is not None:
     @gluon.jit
     def _list_slots(swa_idx_row, ex_idx_row, pos, n_swa, hi, HAS_EXTRA: gl.constexpr):
         """Slot ids at positions ``pos`` of the row's key list (the SWA list, then the extra
-        list from ``n_swa``); -1 at and past ``hi``."""
-        slot = gl.load(swa_idx_row + pos, mask=pos < gl.minimum(n_swa, hi), other=-1)
+        list from ``n_swa``); -1 at and past ``hi``. One load through a selected pointer: nothing
+        waits for the value until it is used (a select of two loads would)."""
+        ptrs = swa_idx_row + pos
         if HAS_EXTRA:
-            ex_slot = gl.load(ex_idx_row + (pos - n_swa), mask=(pos >= n_swa) & (pos < hi), other=-1)
-            slot = gl.where(pos < n_swa, slot, ex_slot)
-        return slot
+            ptrs = gl.where(pos < n_swa, ptrs, ex_idx_row + (pos - n_swa))
+        return gl.load(ptrs, mask=pos < hi, other=-1)
 
     @gluon.jit
     def _entry_ptrs(slot, in_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
