@@ -31,7 +31,7 @@ import functools
 import torch
 import triton
 
-from ...config import HEAD_DIM
+from ._attn_common import DATA_BYTES, DIM, LN2, LOG2E, NOPE, NUM_NOPE_TILES, ROPE, SCALE_BYTES, TILE
 from ._launch import INTERPRET
 
 try:
@@ -63,10 +63,6 @@ def available(device: torch.device) -> bool:
 
 
 if gluon is not None:
-    _LOG2E = gl.constexpr(1.4426950408889634)
-    _LN2 = gl.constexpr(0.6931471805599453)
-    _DIM = gl.constexpr(HEAD_DIM)
-
     @gluon.jit
     def _list_slots(swa_idx_row, ex_idx_row, pos, n_swa, hi, HAS_EXTRA: gl.constexpr):
         """Slot ids at positions ``pos`` of the row's key list (the SWA list, then the extra
@@ -85,12 +81,12 @@ if gluon is not None:
         valid = (slot >= 0) & (slot < gl.where(in_swa, swa_capacity, ex_capacity))
         slot = gl.where(valid, slot, 0)
         base = swa_cache + (slot // SWA_P).to(gl.int64) * swa_page_stride
-        data = base + (slot % SWA_P) * 576
-        scales = base + SWA_P * 576 + (slot % SWA_P) * 8
+        data = base + (slot % SWA_P) * DATA_BYTES
+        scales = base + SWA_P * DATA_BYTES + (slot % SWA_P) * SCALE_BYTES
         if HAS_EXTRA:
             ex_base = ex_cache + (slot // EX_P).to(gl.int64) * ex_page_stride
-            data = gl.where(in_swa, data, ex_base + (slot % EX_P) * 576)
-            scales = gl.where(in_swa, scales, ex_base + EX_P * 576 + (slot % EX_P) * 8)
+            data = gl.where(in_swa, data, ex_base + (slot % EX_P) * DATA_BYTES)
+            scales = gl.where(in_swa, scales, ex_base + EX_P * DATA_BYTES + (slot % EX_P) * SCALE_BYTES)
         return data, scales, valid
 
     @gluon.jit
@@ -126,8 +122,8 @@ if gluon is not None:
         KL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bytes
         RL: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])  # [BLOCK, 64] bf16
         PL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])  # [BLOCK, 8] prefetch lines
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, KL))
-        rope_cols = gl.arange(0, 64, layout=gl.SliceLayout(0, RL))
+        cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, KL))
+        rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
         swa_idx_row = swa_idx + row * stride_swa_idx
         ex_idx_row = ex_idx + row * stride_ex_idx
         block_pos = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, KL))
@@ -146,9 +142,9 @@ if gluon is not None:
             s_lo = gl.load(words, mask=valid, other=0)
             s_hi = gl.load(words + 1, mask=valid, other=0)
             raws = ()  # all 7 fp8 tiles in flight before the first conversion
-            for t in gl.static_range(7):
-                raws = raws + (gl.load(data[:, None] + (cols + t * 64)[None, :], mask=valid[:, None], other=0),)
-            rope = gl.convert_layout((data + 448).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, RL))
+            for t in gl.static_range(NUM_NOPE_TILES):
+                raws = raws + (gl.load(data[:, None] + (cols + t * TILE)[None, :], mask=valid[:, None], other=0),)
+            rope = gl.convert_layout((data + NOPE).to(gl.pointer_type(gl.bfloat16)), gl.SliceLayout(1, RL))
             rope_ok = gl.convert_layout(valid, gl.SliceLayout(1, RL))
             rope_vals = gl.load(rope[:, None] + rope_cols[None, :], mask=rope_ok[:, None], other=0.0)
             slot = _list_slots(swa_idx_row, ex_idx_row, start + BLOCK + block_pos, n_swa, hi, HAS_EXTRA)
@@ -157,15 +153,15 @@ if gluon is not None:
             buf = j % STAGES
             mbarrier.wait(empty.index(buf), ((j // STAGES) & 1) ^ 1)  # a fresh barrier passes parity 1
             keys = k_ring.index(buf)
-            for t in gl.static_range(7):
+            for t in gl.static_range(NUM_NOPE_TILES):
                 if t < 4:
                     e = (s_lo >> (8 * t)) & 0xFF
                 else:
                     e = (s_hi >> (8 * (t - 4))) & 0xFF
                 scale = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
                 tile = raws[t].to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
-                keys.slice(t * 64, 64, dim=1).store(tile.to(gl.bfloat16))
-            keys.slice(448, 64, dim=1).store(rope_vals)
+                keys.slice(t * TILE, TILE, dim=1).store(tile.to(gl.bfloat16))
+            keys.slice(NOPE, ROPE, dim=1).store(rope_vals)
             valid_ring.index(buf).store(valid.to(gl.int8))
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             mbarrier.arrive(ready.index(buf), count=1)
@@ -250,7 +246,7 @@ if gluon is not None:
         gl.thread_barrier()
 
         acc, m2, l = gl.warp_specialize([
-            (_consumer, (q_smem, k_ring, valid_ring, ready, empty, lo, hi, softmax_scale * _LOG2E,
+            (_consumer, (q_smem, k_ring, valid_ring, ready, empty, lo, hi, softmax_scale * LOG2E,
                          HEADS, BLOCK, STAGES)),
             (_producer, (k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
                          swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
@@ -267,16 +263,16 @@ if gluon is not None:
         no_keys = l == 0.0
         lse2 = gl.where(no_keys, 0.0, m2 + gl.log2(l))
         if not SPLIT:
-            gate = 1.0 / (1.0 + gl.exp2(gl.load(sink + heads, mask=head_ok, other=0.0) * _LOG2E - lse2))
+            gate = 1.0 / (1.0 + gl.exp2(gl.load(sink + heads, mask=head_ok, other=0.0) * LOG2E - lse2))
             scale = gl.where(no_keys, 0.0, gate / l)
-            gl.store(lse + row * num_heads + heads, gl.where(no_keys, float("inf"), lse2 * _LN2), mask=head_ok)
-            gl.store(out + (row * num_heads + heads)[:, None] * _DIM + cols[None, :],
+            gl.store(lse + row * num_heads + heads, gl.where(no_keys, float("inf"), lse2 * LN2), mask=head_ok)
+            gl.store(out + (row * num_heads + heads)[:, None] * DIM + cols[None, :],
                      (acc * scale[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
         else:
             scale = gl.where(no_keys, 0.0, 1.0 / l)
             part = (row * num_splits + split) * num_heads + heads
             gl.store(part_lse + part, gl.where(no_keys, float("-inf"), lse2), mask=head_ok)
-            gl.store(part_out + part[:, None] * _DIM + cols[None, :], acc * scale[:, None], mask=head_ok[:, None])
+            gl.store(part_out + part[:, None] * DIM + cols[None, :], acc * scale[:, None], mask=head_ok[:, None])
 
 
 def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor, softmax_scale: float,
