@@ -178,11 +178,11 @@ REFERENCES = dict(expand=_expand_reference, page_table=ref_meta.build_page_table
 def _metadata_chain(impl, step, req_to_token, req_to_page, full_to_swa):
     """Every metadata op of a decode step of a model with c4 and c128 layers, in step order."""
     req_rows, seq_lens, extend_lens, out_cache_loc = step
-    req_of_row, seq_casual, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    page_table = impl["page_table"](req_to_page, req_of_row, seq_casual)
-    impl["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc)
-    impl["c4"](seq_casual, out_cache_loc, INDEX_TOPK)
-    impl["c128"](page_table, seq_casual, out_cache_loc)
+    req_of_row, seq_causal, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
+    page_table = impl["page_table"](req_to_page, req_of_row, seq_causal)
+    impl["swa"](req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc)
+    impl["c4"](seq_causal, out_cache_loc, INDEX_TOPK)
+    impl["c128"](page_table, seq_causal, out_cache_loc)
 
 
 def metadata_cases(args) -> list[Case]:
@@ -204,18 +204,18 @@ def metadata_cases(args) -> list[Case]:
         for b in args.batch:
             step = _decode_step(req_to_token, b, capacity, gen)
             req_rows, seq_lens, extend_lens, loc = step
-            req_of_row, seq_casual, _, _ = _expand_reference(*step)
-            page_table = ref_meta.build_page_table(req_to_page, req_of_row, seq_casual)
+            req_of_row, seq_causal, _, _ = _expand_reference(*step)
+            page_table = ref_meta.build_page_table(req_to_page, req_of_row, seq_causal)
             visible_pages = int(seq_lens.sum()) // PAGE_SIZE
             params = {"b": b, "capacity": capacity}
             per_op = {  # case name -> (op key, arguments, bytes)
                 "expand_queries": ("expand", step, 28 * b),
-                "build_page_table": ("page_table", (req_to_page, req_of_row, seq_casual),
+                "build_page_table": ("page_table", (req_to_page, req_of_row, seq_causal),
                                      4 * b * n_pages + 4 * visible_pages + 8 * b),
-                "build_swa_metadata": ("swa", (req_to_token, full_to_swa, req_of_row, seq_casual, loc),
+                "build_swa_metadata": ("swa", (req_to_token, full_to_swa, req_of_row, seq_causal, loc),
                                        b * (4 * (3 * SWA_WINDOW + 4) + 8)),
-                "build_c4_metadata": ("c4", (seq_casual, loc, INDEX_TOPK), 24 * b),
-                "build_c128_metadata": ("c128", (page_table, seq_casual, loc),
+                "build_c4_metadata": ("c4", (seq_causal, loc, INDEX_TOPK), 24 * b),
+                "build_c128_metadata": ("c128", (page_table, seq_causal, loc),
                                         4 * b * width + 4 * visible_pages + 24 * b),
             }
             for name, (key, op_args, nbytes) in per_op.items():

@@ -49,7 +49,7 @@ def _compress_bytes(args) -> int:
     ratio, d = args["ratio"], args["norm_weight"].shape[0]
     wc = args["kv"].shape[1]
     rows = args["kv"].shape[0]
-    windows = int((args["seq_lens_casual"] % ratio == 0).sum())
+    windows = int((args["seq_lens_causal"] % ratio == 0).sum())
     return rows * (16 * wc + 2 * d + 16) + windows * ref_comp.window_slots(ratio) * 8 * d
 
 

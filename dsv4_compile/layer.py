@@ -65,8 +65,8 @@ class Compressor(nn.Module):
                 inv_freq: torch.Tensor) -> torch.Tensor:
         """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``."""
         kv, score = self.project(x)
-        return torch.ops.dsv4.compress_kv(state, kv, score, self.ape, meta.req_of_row, meta.seq_lens_casual,
-                                          meta.row_start, meta.row_end, self.norm, inv_freq, self.ratio,
+        return torch.ops.dsv4.compress_kv(state, kv, score, self.ape, meta.req_of_row, meta.seq_lens_causal,
+                                          meta.extend_start, meta.extend_end, self.norm, inv_freq, self.ratio,
                                           ring, self.rotate, self.eps)
 
 

@@ -111,10 +111,10 @@ class StepMetadata:
     """
 
     req_of_row: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int32, pos = seq_lens_casual - 1
-    seq_lens_casual: torch.Tensor  # [T] int32
-    row_start: torch.Tensor  # [T] int32, first position of the row's request in this step
-    row_end: torch.Tensor  # [T] int32, post-step length of the row's request
+    positions: torch.Tensor  # [T] int32, pos = seq_lens_causal - 1
+    seq_lens_causal: torch.Tensor  # [T] int32
+    extend_start: torch.Tensor  # [T] int32, first position of the row's request in this step
+    extend_end: torch.Tensor  # [T] int32, post-step length of the row's request
     page_table: torch.Tensor  # [T, NP] int32
     swa_indices: torch.Tensor  # [T, 128] int32
     swa_lengths: torch.Tensor  # [T] int32
@@ -131,18 +131,18 @@ def build_step_metadata(step: StepInputs, cache: "DSV4Cache", config: DSV4AttnCo
     """All metadata of one step from the cache's index maps, through ``dsv4::`` ops (no host reads)."""
     req_to_token, full_to_swa = cache.req_to_token, cache.full_to_swa
     ops = torch.ops.dsv4
-    req_of_row, seq_casual, row_start, row_end = ops.expand_queries(
+    req_of_row, seq_causal, extend_start, extend_end = ops.expand_queries(
         step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    page_table = ops.build_page_table(cache.req_to_page, req_of_row, seq_casual)
+    page_table = ops.build_page_table(cache.req_to_page, req_of_row, seq_causal)
     swa_indices, swa_lengths, swa_out_loc = ops.build_swa_metadata(
-        req_to_token, full_to_swa, req_of_row, seq_casual, step.out_cache_loc)
-    meta = StepMetadata(req_of_row, seq_casual - 1, seq_casual, row_start, row_end, page_table,
+        req_to_token, full_to_swa, req_of_row, seq_causal, step.out_cache_loc)
+    meta = StepMetadata(req_of_row, seq_causal - 1, seq_causal, extend_start, extend_end, page_table,
                         swa_indices, swa_lengths, swa_out_loc)
     ratios = set(config.compress_ratios) if step.mode.needs_compress else set()
     if 4 in ratios:
         meta.c4_out_loc, meta.c4_visible, meta.c4_topk_lengths = ops.build_c4_metadata(
-            seq_casual, step.out_cache_loc, config.index_topk)
+            seq_causal, step.out_cache_loc, config.index_topk)
     if 128 in ratios:
         meta.c128_out_loc, meta.c128_indices, meta.c128_lengths = ops.build_c128_metadata(
-            page_table, seq_casual, step.out_cache_loc)
+            page_table, seq_causal, step.out_cache_loc)
     return meta

@@ -49,18 +49,18 @@ class FuseStepMetadataPass(DSV4InductorPass):
         rows = _getitems(expand)
         if 0 not in rows or 1 not in rows:
             return None
-        req_of_row, seq_casual, loc = rows[0], rows[1], expand.args[3]
-        users = set(req_of_row.users) | set(seq_casual.users)
+        req_of_row, seq_causal, loc = rows[0], rows[1], expand.args[3]
+        users = set(req_of_row.users) | set(seq_causal.users)
         page = _single_user(users, _ops.build_page_table.default,
-                            lambda n: n.args[1:] == (req_of_row, seq_casual))
+                            lambda n: n.args[1:] == (req_of_row, seq_causal))
         swa = _single_user(users, _ops.build_swa_metadata.default,
-                           lambda n: n.args[2:] == (req_of_row, seq_casual, loc))
+                           lambda n: n.args[2:] == (req_of_row, seq_causal, loc))
         if page is None or swa is None:
             return None
         chain = {page.target: page, swa.target: swa}
-        c4 = _single_user(users, _ops.build_c4_metadata.default, lambda n: n.args[:2] == (seq_casual, loc))
+        c4 = _single_user(users, _ops.build_c4_metadata.default, lambda n: n.args[:2] == (seq_causal, loc))
         c128 = _single_user(users, _ops.build_c128_metadata.default,
-                            lambda n: n.args == (page, seq_casual, loc))
+                            lambda n: n.args == (page, seq_causal, loc))
         for node in (c4, c128):
             if node is not None:
                 chain[node.target] = node

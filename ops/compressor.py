@@ -20,7 +20,7 @@ if HAS_TRITON:
 _F32 = (torch.float32,)
 
 
-def _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+def _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
            inv_freq, ratio, ring) -> None:
     op = "compress_kv"
     if ratio not in (4, 128):
@@ -36,38 +36,38 @@ def _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_en
     if ring < ref.window_slots(ratio) or state.shape[0] % ring:
         raise ValueError(f"dsv4.{op}: ring={ring} must be >= {ref.window_slots(ratio)} and divide "
                          f"state rows ({state.shape[0]})")
-    for name, t in dict(req_of_row=req_of_row, seq_lens_casual=seq_lens_casual, row_start=row_start,
-                        row_end=row_end).items():
+    for name, t in dict(req_of_row=req_of_row, seq_lens_causal=seq_lens_causal, extend_start=extend_start,
+                        extend_end=extend_end).items():
         check_tensor(op, name, t, dtypes=INDEX_DTYPES, ndim=1)
-    check_same_rows(op, kv=kv, score=score, req_of_row=req_of_row, seq_lens_casual=seq_lens_casual,
-                    row_start=row_start, row_end=row_end)
+    check_same_rows(op, kv=kv, score=score, req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
+                    extend_start=extend_start, extend_end=extend_end)
 
 
 @torch.library.custom_op("dsv4::compress_kv", mutates_args=("state",))
 def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
-                req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
-                row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
+                req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, extend_start: torch.Tensor,
+                extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
                 ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """One potential compressed entry per row, ``[T, d] bf16`` (meaningful where the row
     completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``."""
-    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
            inv_freq, ratio, ring)
-    return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end,
+    return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
                            norm_weight, inv_freq, ratio, ring, rotate, eps)
 
 
 @cuda_kernel(compress_kv)
-def _(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight, inv_freq,
+def _(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
       ratio, ring, rotate, eps):
-    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
            inv_freq, ratio, ring)
-    return kernels.launch_compress_kv(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end,
+    return kernels.launch_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
                                       norm_weight, inv_freq, ratio, ring, rotate, eps)
 
 
 @compress_kv.register_fake
-def _(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight, inv_freq,
+def _(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
       ratio, ring, rotate, eps):
-    _check(state, kv, score, ape, req_of_row, seq_lens_casual, row_start, row_end, norm_weight,
+    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
            inv_freq, ratio, ring)
     return kv.new_empty(kv.shape[0], norm_weight.shape[0], dtype=torch.bfloat16)

@@ -43,7 +43,7 @@ def _check_expand(req_rows, seq_lens, extend_lens, out_cache_loc) -> None:
 def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                    out_cache_loc: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row per query token: ``(req_of_row, seq_lens_casual, row_start, row_end)`` int32 [T],
+    """One row per query token: ``(req_of_row, seq_lens_causal, extend_start, extend_end)`` int32 [T],
     ``T = out_cache_loc.shape[0]``; rows past ``sum(extend_lens)`` are padding (request 0, seq 1)."""
     _check_expand(req_rows, seq_lens, extend_lens, out_cache_loc)
     return ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
@@ -67,121 +67,121 @@ def _check_req_to_page(op: str, req_to_page: torch.Tensor) -> None:
     check_tensor(op, "req_to_page", req_to_page, dtypes=INDEX_DTYPES, ndim=2)
 
 
-def _check_page_table(req_to_page, req_of_row, seq_lens_casual) -> None:
+def _check_page_table(req_to_page, req_of_row, seq_lens_causal) -> None:
     _check_req_to_page("build_page_table", req_to_page)
-    _check_rows("build_page_table", req_of_row=req_of_row, seq_lens_casual=seq_lens_casual)
+    _check_rows("build_page_table", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal)
 
 
 @torch.library.custom_op("dsv4::build_page_table", mutates_args=())
 def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
-                     seq_lens_casual: torch.Tensor) -> torch.Tensor:
+                     seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after
     (``req_to_page [R, NP]``: the cache's compact page map)."""
-    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
-    return ref.build_page_table(req_to_page, req_of_row, seq_lens_casual)
+    _check_page_table(req_to_page, req_of_row, seq_lens_causal)
+    return ref.build_page_table(req_to_page, req_of_row, seq_lens_causal)
 
 
 @cuda_kernel(build_page_table)
-def _(req_to_page, req_of_row, seq_lens_casual):
-    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
-    return kernels.launch_build_page_table(req_to_page, req_of_row, seq_lens_casual)
+def _(req_to_page, req_of_row, seq_lens_causal):
+    _check_page_table(req_to_page, req_of_row, seq_lens_causal)
+    return kernels.launch_build_page_table(req_to_page, req_of_row, seq_lens_causal)
 
 
 @build_page_table.register_fake
-def _(req_to_page, req_of_row, seq_lens_casual):
-    _check_page_table(req_to_page, req_of_row, seq_lens_casual)
+def _(req_to_page, req_of_row, seq_lens_causal):
+    _check_page_table(req_to_page, req_of_row, seq_lens_causal)
     return req_of_row.new_empty(req_of_row.shape[0], req_to_page.shape[1], dtype=_I32)
 
 
 # -- build_swa_metadata ------------------------------------------------------------------------
-def _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc) -> None:
+def _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc) -> None:
     _check_req_to_token("build_swa_metadata", req_to_token)
     check_tensor("build_swa_metadata", "full_to_swa", full_to_swa, dtypes=INDEX_DTYPES, ndim=1)
-    _check_rows("build_swa_metadata", req_of_row=req_of_row, seq_lens_casual=seq_lens_casual,
+    _check_rows("build_swa_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
                 out_cache_loc=out_cache_loc)
 
 
 @torch.library.custom_op("dsv4::build_swa_metadata", mutates_args=())
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
-                       seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
+                       seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(swa_indices [T, 128], swa_lengths [T], swa_out_loc [T])`` int32: window slots newest
     first (-1 before position 0), ``min(pos + 1, 128)``, and the SWA slot each row writes."""
-    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
-    return ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
+    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc)
+    return ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc)
 
 
 @cuda_kernel(build_swa_metadata)
-def _(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc):
-    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
-    return kernels.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_casual,
+def _(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc):
+    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc)
+    return kernels.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_lens_causal,
                                              out_cache_loc)
 
 
 @build_swa_metadata.register_fake
-def _(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc):
-    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_casual, out_cache_loc)
+def _(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc):
+    _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc)
     t = req_of_row.shape[0]
     return (req_of_row.new_empty(t, SWA_WINDOW, dtype=_I32), req_of_row.new_empty(t, dtype=_I32),
             req_of_row.new_empty(t, dtype=_I32))
 
 
 # -- build_c4_metadata -------------------------------------------------------------------------
-def _check_c4(seq_lens_casual, out_cache_loc, topk) -> None:
-    _check_rows("build_c4_metadata", seq_lens_casual=seq_lens_casual, out_cache_loc=out_cache_loc)
+def _check_c4(seq_lens_causal, out_cache_loc, topk) -> None:
+    _check_rows("build_c4_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
     if topk <= 0:
         raise ValueError(f"dsv4.build_c4_metadata: topk={topk} must be positive")
 
 
 @torch.library.custom_op("dsv4::build_c4_metadata", mutates_args=())
-def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
+def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (SPEC §3.5-3.6; -1 out slot for
     rows that complete no window)."""
-    _check_c4(seq_lens_casual, out_cache_loc, topk)
-    return ref.build_c4_metadata(seq_lens_casual, out_cache_loc, topk)
+    _check_c4(seq_lens_causal, out_cache_loc, topk)
+    return ref.build_c4_metadata(seq_lens_causal, out_cache_loc, topk)
 
 
 @cuda_kernel(build_c4_metadata)
-def _(seq_lens_casual, out_cache_loc, topk):
-    _check_c4(seq_lens_casual, out_cache_loc, topk)
-    return kernels.launch_build_c4_metadata(seq_lens_casual, out_cache_loc, topk)
+def _(seq_lens_causal, out_cache_loc, topk):
+    _check_c4(seq_lens_causal, out_cache_loc, topk)
+    return kernels.launch_build_c4_metadata(seq_lens_causal, out_cache_loc, topk)
 
 
 @build_c4_metadata.register_fake
-def _(seq_lens_casual, out_cache_loc, topk):
-    _check_c4(seq_lens_casual, out_cache_loc, topk)
-    return tuple(seq_lens_casual.new_empty(seq_lens_casual.shape[0], dtype=_I32) for _ in range(3))
+def _(seq_lens_causal, out_cache_loc, topk):
+    _check_c4(seq_lens_causal, out_cache_loc, topk)
+    return tuple(seq_lens_causal.new_empty(seq_lens_causal.shape[0], dtype=_I32) for _ in range(3))
 
 
 # -- build_c128_metadata -----------------------------------------------------------------------
-def _check_c128(page_table, seq_lens_casual, out_cache_loc) -> None:
+def _check_c128(page_table, seq_lens_causal, out_cache_loc) -> None:
     check_tensor("build_c128_metadata", "page_table", page_table, dtypes=INDEX_DTYPES, ndim=2)
-    _check_rows("build_c128_metadata", seq_lens_casual=seq_lens_casual, out_cache_loc=out_cache_loc)
-    check_same_rows("build_c128_metadata", page_table=page_table, seq_lens_casual=seq_lens_casual)
+    _check_rows("build_c128_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
+    check_same_rows("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal)
 
 
 @torch.library.custom_op("dsv4::build_c128_metadata", mutates_args=())
-def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
+def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(c128_out_loc [T], c128_indices [T, ceil64(2 NP)], c128_lengths [T])`` int32 (SPEC §3.5)."""
-    _check_c128(page_table, seq_lens_casual, out_cache_loc)
-    return ref.build_c128_metadata(page_table, seq_lens_casual, out_cache_loc)
+    _check_c128(page_table, seq_lens_causal, out_cache_loc)
+    return ref.build_c128_metadata(page_table, seq_lens_causal, out_cache_loc)
 
 
 @cuda_kernel(build_c128_metadata)
-def _(page_table, seq_lens_casual, out_cache_loc):
-    _check_c128(page_table, seq_lens_casual, out_cache_loc)
-    return kernels.launch_build_c128_metadata(page_table, seq_lens_casual, out_cache_loc)
+def _(page_table, seq_lens_causal, out_cache_loc):
+    _check_c128(page_table, seq_lens_causal, out_cache_loc)
+    return kernels.launch_build_c128_metadata(page_table, seq_lens_causal, out_cache_loc)
 
 
 @build_c128_metadata.register_fake
-def _(page_table, seq_lens_casual, out_cache_loc):
-    _check_c128(page_table, seq_lens_casual, out_cache_loc)
-    t = seq_lens_casual.shape[0]
+def _(page_table, seq_lens_causal, out_cache_loc):
+    _check_c128(page_table, seq_lens_causal, out_cache_loc)
+    t = seq_lens_causal.shape[0]
     width = ref.ceil_to(2 * page_table.shape[1], INDEX_ALIGN)
-    return (seq_lens_casual.new_empty(t, dtype=_I32), seq_lens_casual.new_empty(t, width, dtype=_I32),
-            seq_lens_casual.new_empty(t, dtype=_I32))
+    return (seq_lens_causal.new_empty(t, dtype=_I32), seq_lens_causal.new_empty(t, width, dtype=_I32),
+            seq_lens_causal.new_empty(t, dtype=_I32))
 
 
 # -- step_metadata: every op above in one launch --------------------------------------------------

@@ -36,23 +36,23 @@ def window_slots(ratio: int) -> int:
 
 
 def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
-                req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
-                row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
+                req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, extend_start: torch.Tensor,
+                extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
                 ratio: int, ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """Pool, normalise, rotate one potential entry per row; update the state ring in place.
 
     state: [R * ring, 2 Wc] fp32 (mutated); kv, score: [T, Wc] fp32; ape: [r, Wc] fp32;
-    req_of_row, seq_lens_casual, row_start, row_end: [T] int32 (see metadata.expand_queries);
+    req_of_row, seq_lens_causal, extend_start, extend_end: [T] int32 (see metadata.expand_queries);
     norm_weight: [d]; inv_freq: [32] fp32. Returns ``[T, d]`` bf16.
     """
     num_rows, wc = kv.shape
     d = norm_weight.shape[0]
     slots = window_slots(ratio)
-    pos = seq_lens_casual.long() - 1  # [T]
+    pos = seq_lens_causal.long() - 1  # [T]
     score_ape = score + ape[pos % ratio]  # [T, Wc]
     chunk = max(1, _ROW_CHUNK_ELEMS // (slots * wc))
     pooled = [
-        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo, min(lo + chunk, num_rows),
+        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo, min(lo + chunk, num_rows),
                    ratio, ring, d)
         for lo in range(0, num_rows, chunk)
     ]
@@ -61,18 +61,18 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
     y = rope_tail(y, pos - ratio + 1, inv_freq)
     if rotate:
         y = hadamard(y).to(torch.bfloat16)
-    _write_ring(state, kv, score_ape, req_of_row, pos, row_end, ring)
+    _write_ring(state, kv, score_ape, req_of_row, pos, extend_end, ring)
     return y
 
 
-def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo: int, hi: int,
+def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo: int, hi: int,
                ratio: int, ring: int, d: int) -> torch.Tensor:
     """Pooled fp32 entry ``[hi - lo, d]`` for rows ``lo:hi``."""
     wc = kv.shape[1]
     slots = window_slots(ratio)
     p = pos[lo:hi].unsqueeze(1)  # [C, 1]
     t = p - (slots - 1) + torch.arange(slots, device=kv.device)  # [C, S] token positions
-    in_step = t >= row_start[lo:hi].long().unsqueeze(1)
+    in_step = t >= extend_start[lo:hi].long().unsqueeze(1)
     batch_row = (torch.arange(lo, hi, device=kv.device).unsqueeze(1) - (p - t)).clamp(0, kv.shape[0] - 1)
     ring_row = req_of_row[lo:hi].long().unsqueeze(1) * ring + t.clamp_min(0) % ring
     sel = in_step.unsqueeze(-1)
@@ -87,8 +87,8 @@ def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, row_start, lo: int, h
     return (torch.softmax(s, dim=1) * a).sum(dim=1)
 
 
-def _write_ring(state, kv, score_ape, req_of_row, pos, row_end, ring: int) -> None:
+def _write_ring(state, kv, score_ape, req_of_row, pos, extend_end, ring: int) -> None:
     """Persist the rows among each request's last ``ring`` positions (others are no-ops)."""
-    keep = pos >= row_end.long() - ring
+    keep = pos >= extend_end.long() - ring
     rows = torch.where(keep, req_of_row.long() * ring + pos % ring, ring - 1)
     state[rows] = torch.where(keep.unsqueeze(1), torch.cat([kv, score_ape], dim=1), state[ring - 1])

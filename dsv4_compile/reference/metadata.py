@@ -31,8 +31,8 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     req_rows, seq_lens, extend_lens: [B] int32 — request pool rows, post-step lengths ``L_b`` and
     tokens this step ``E_b`` (decode: 1; uniform verify: D; prefill/extend: chunk length).
     Row ``j`` of request ``b`` is position ``L_b - E_b + j``. Returns, per row, int32 [T]:
-    ``req_of_row``, ``seq_lens_casual`` (position + 1), ``row_start = L_b - E_b`` (first position
-    this step) and ``row_end = L_b``.
+    ``req_of_row``, ``seq_lens_causal`` (position + 1), ``extend_start = L_b - E_b`` (first position
+    this step) and ``extend_end = L_b``.
     """
     device = req_rows.device
     q = torch.arange(num_tokens, device=device)
@@ -46,8 +46,8 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     start = l_b - e_b
     pos = start + (q - (ends[b] - e_b))
     req = torch.where(real, req_rows.long()[b], 0)
-    seq_casual = torch.where(real, pos + 1, 1)
-    return (req.to(_I32), seq_casual.to(_I32), torch.where(real, start, 0).to(_I32),
+    seq_causal = torch.where(real, pos + 1, 1)
+    return (req.to(_I32), seq_causal.to(_I32), torch.where(real, start, 0).to(_I32),
             torch.where(real, l_b, 1).to(_I32))
 
 
@@ -58,17 +58,17 @@ def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
 
 
 def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
-                     seq_lens_casual: torch.Tensor) -> torch.Tensor:
+                     seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``page_table[q, i] = req_to_page[req_q, i]`` (= ``req_to_token[req_q, 256 i] // 256``) for
-    the pages holding positions ``< seq_lens_casual[q]``, 0 past them: [T, NP] int32 (SPEC §3.3).
+    the pages holding positions ``< seq_lens_causal[q]``, 0 past them: [T, NP] int32 (SPEC §3.3).
     Every reader (c4 indexer, c128 indices) stays inside that prefix; a row of the compact page
     map is contiguous, so the table is a masked row copy."""
-    live = torch.arange(req_to_page.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_casual.long().unsqueeze(1)
+    live = torch.arange(req_to_page.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_causal.long().unsqueeze(1)
     return torch.where(live, req_to_page[req_of_row.long()], 0).to(_I32)
 
 
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
-                       seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
+                       seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sliding-window attention inputs (SPEC §3.3, §3.4, §3.7).
 
@@ -76,16 +76,16 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
     ``pos - k``, -1 where ``pos - k < 0``), ``swa_lengths [T] int32 = min(pos + 1, 128)`` and
     ``swa_out_loc [T] int32`` = SWA slot this row's token is written to.
     """
-    pos = seq_lens_casual.long() - 1  # [T]
+    pos = seq_lens_causal.long() - 1  # [T]
     p = pos.unsqueeze(1) - torch.arange(SWA_WINDOW, device=pos.device)  # [T, W]
     full = req_to_token[req_of_row.long().unsqueeze(1), p.clamp_min(0)]  # [T, W]
     swa = full_to_swa[full.long()]
     indices = torch.where(p >= 0, swa, -1).to(_I32)
-    lengths = seq_lens_casual.clamp_max(SWA_WINDOW).to(_I32)
+    lengths = seq_lens_causal.clamp_max(SWA_WINDOW).to(_I32)
     return indices, lengths, full_to_swa[out_cache_loc.long()].to(_I32)
 
 
-def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
+def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ratio-4 fields (SPEC §3.5, §3.6).
 
@@ -93,7 +93,7 @@ def build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor
     skipped by the store), ``c4_visible = (pos + 1) // 4`` (compressed entries the row may see)
     and ``c4_topk_lengths = min(max(c4_visible, 1), topk)`` (attention's extra length).
     """
-    seq = seq_lens_casual.long()
+    seq = seq_lens_causal.long()
     out_loc = torch.where(seq % 4 == 0, out_cache_loc.long() // 4, -1).to(_I32)
     visible = (seq // 4).to(_I32)
     return out_loc, visible, visible.clamp(1, topk).to(_I32)
@@ -105,15 +105,15 @@ def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: t
     """The outputs of :func:`expand_queries`, :func:`build_page_table`, :func:`build_swa_metadata`,
     :func:`build_c4_metadata` and :func:`build_c128_metadata` for one step, in that order (14)."""
     expanded = expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    req_of_row, seq_casual = expanded[:2]
-    page_table = build_page_table(req_to_page, req_of_row, seq_casual)
+    req_of_row, seq_causal = expanded[:2]
+    page_table = build_page_table(req_to_page, req_of_row, seq_causal)
     return (*expanded, page_table,
-            *build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-            *build_c4_metadata(seq_casual, out_cache_loc, topk),
-            *build_c128_metadata(page_table, seq_casual, out_cache_loc))
+            *build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
+            *build_c4_metadata(seq_causal, out_cache_loc, topk),
+            *build_c128_metadata(page_table, seq_causal, out_cache_loc))
 
 
-def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
+def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ratio-128 fields (SPEC §3.5).
 
@@ -121,7 +121,7 @@ def build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
     ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2``
     for ``j < (pos + 1) // 128``, else -1) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
     """
-    seq = seq_lens_casual.long()
+    seq = seq_lens_causal.long()
     out_loc = torch.where(seq % 128 == 0, out_cache_loc.long() // 128, -1).to(_I32)
     n_entries = 2 * page_table.shape[1]
     j = torch.arange(ceil_to(n_entries, INDEX_ALIGN), device=seq.device)  # [K]

@@ -45,7 +45,7 @@ def compressor_args(ratio: int, d: int, seq_lens, extend_lens, gen: torch.Genera
     b = seq.shape[0]
     t = int(ext.sum()) if num_tokens is None else num_tokens
     req_rows = torch.arange(1, b + 1, dtype=torch.int32, device=device)
-    req_of_row, seq_casual, row_start, row_end = ref_meta.expand_queries(req_rows, seq, ext, t)
+    req_of_row, seq_causal, extend_start, extend_end = ref_meta.expand_queries(req_rows, seq, ext, t)
     ring = CONFIG.state_ring(ratio) if ring is None else ring
     wc = (2 if ratio == 4 else 1) * d
 
@@ -53,8 +53,8 @@ def compressor_args(ratio: int, d: int, seq_lens, extend_lens, gen: torch.Genera
         return scale * torch.randn(*shape, generator=gen, device=device)
 
     return dict(state=randn((b + 1) * ring, 2 * wc), kv=randn(t, wc), score=randn(t, wc),
-                ape=randn(ratio, wc, scale=0.5), req_of_row=req_of_row, seq_lens_casual=seq_casual,
-                row_start=row_start, row_end=row_end, norm_weight=1 + randn(d, scale=0.1),
+                ape=randn(ratio, wc, scale=0.5), req_of_row=req_of_row, seq_lens_causal=seq_causal,
+                extend_start=extend_start, extend_end=extend_end, norm_weight=1 + randn(d, scale=0.1),
                 inv_freq=layer_inv_freq(CONFIG, ratio).to(device), ratio=ratio, ring=ring,
                 rotate=(d == INDEX_HEAD_DIM) if rotate is None else rotate, eps=CONFIG.rms_norm_eps)
 
@@ -62,10 +62,10 @@ def compressor_args(ratio: int, d: int, seq_lens, extend_lens, gen: torch.Genera
 def compressor_golden(args: dict, rows_per_chunk: int = 256) -> torch.Tensor:
     """fp64 entries ``[T, d]`` (CPU) of ``compress_kv(**args)`` without its bf16 rounding points."""
     a = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
-    pos = a["seq_lens_casual"].long() - 1
+    pos = a["seq_lens_causal"].long() - 1
     score_ape = a["score"] + a["ape"][pos % a["ratio"]]
     e = torch.cat([ref_compressor._pool_rows(a["state"], a["kv"], score_ape, a["ape"], a["req_of_row"], pos,
-                                             a["row_start"], lo, min(lo + rows_per_chunk, pos.shape[0]),
+                                             a["extend_start"], lo, min(lo + rows_per_chunk, pos.shape[0]),
                                              a["ratio"], a["ring"], a["norm_weight"].shape[0])
                    for lo in range(0, pos.shape[0], rows_per_chunk)])
     y = rope_tail(rms_norm(e, a["norm_weight"], a["eps"]), pos - a["ratio"] + 1, a["inv_freq"])
@@ -86,7 +86,7 @@ def check_compress_kv(run, args: dict) -> torch.Tensor:
         torch.cuda.synchronize()
     want = ref_compressor.compress_kv(**dict(args, state=state_ref))
     assert torch.isfinite(out.float()).all()
-    rows = (args["seq_lens_casual"] % args["ratio"] == 0).cpu()
+    rows = (args["seq_lens_causal"] % args["ratio"] == 0).cpu()
     if rows.any():
         got, want, gold = out.float().cpu()[rows], want.float().cpu()[rows], golden[rows]
         err_k, err_e = (got - gold).abs(), (want - gold).abs()

@@ -63,11 +63,11 @@ def _to_bf16(x, SOFT: tl.constexpr):
 
 
 @triton.jit
-def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, row_start, cols,
+def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_start, cols,
                  stride_kv, stride_score, stride_ape, stride_state, D: tl.constexpr, WC: tl.constexpr,
                  RATIO: tl.constexpr, RING: tl.constexpr, S: tl.constexpr, SB: tl.constexpr):
     """fp32 ``softmax_slot(score) . kv`` of the window ending on ``row`` (position ``p`` of
-    request ``req``, whose step starts at position ``row_start``), channels ``cols [n] int32``."""
+    request ``req``, whose step starts at position ``extend_start``), channels ``cols [n] int32``."""
     m = tl.full(cols.shape, float("-inf"), tl.float32)
     den = tl.zeros(cols.shape, dtype=tl.float32)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
@@ -75,7 +75,7 @@ def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, row_start, 
         s = (S // SB - 1 - i) * SB + tl.arange(0, SB)  # newest block first
         t = p - (S - 1) + s  # [SB] token positions
         live = t >= 0
-        in_step = live & (t >= row_start)
+        in_step = live & (t >= extend_start)
         tt = tl.maximum(t, 0)
         if RATIO == 4:  # slots 0..3: overlap half [0, d); slots 4..7: own half [d, 2d)
             c = cols[None, :] + (D * (s >= S // 2).to(tl.int32))[:, None]
@@ -215,13 +215,13 @@ def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]
 
 
 def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
-                       req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor, row_start: torch.Tensor,
-                       row_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
+                       req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, extend_start: torch.Tensor,
+                       extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor,
                        ratio: int, ring: int, rotate: bool, eps: float, *, pdl: bool | None = None) -> torch.Tensor:
     """Entries ``[T, d] bf16`` (zeros on rows completing no window); updates ``state`` in place.
 
     state: [R * ring, 2 Wc] fp32 (last dim contiguous); kv, score: [T, Wc] fp32; ape: [r, Wc] fp32;
-    req_of_row, seq_lens_casual, row_start, row_end: [T] int32/int64; norm_weight: [d];
+    req_of_row, seq_lens_causal, extend_start, extend_end: [T] int32/int64; norm_weight: [d];
     inv_freq: [32] fp32. Arguments are validated by the op (``ops/compressor.py::_check``).
 
     ``pdl``: launch both kernels with programmatic dependent launch (sm_90+): the pool waits for
@@ -239,8 +239,8 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     if state.stride(-1) != 1:
         raise ValueError("compress_kv kernel: state must have a unit last-dim stride")
     kv, score, ape = unit_stride(kv), unit_stride(score), unit_stride(ape)
-    req_of_row, seq_lens_casual = req_of_row.contiguous(), seq_lens_casual.contiguous()
-    row_start, row_end = row_start.contiguous(), row_end.contiguous()
+    req_of_row, seq_lens_causal = req_of_row.contiguous(), seq_lens_causal.contiguous()
+    extend_start, extend_end = extend_start.contiguous(), extend_end.contiguous()
     norm_weight, inv_freq = norm_weight.contiguous(), inv_freq.contiguous()
     out = torch.empty(num_rows, d, dtype=torch.bfloat16, device=kv.device)
     if num_rows == 0:
@@ -252,10 +252,10 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
     rows_per_prog, cb, sb, pool_warps = _pool_config(ratio, d, num_rows)
     _pool_kernel[(triton.cdiv(num_rows, rows_per_prog), d // cb)](
-        kv, score, ape, state, req_of_row, seq_lens_casual, row_start, pooled, num_rows, *strides, D=d,
+        kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, *strides, D=d,
         WC=wc, RATIO=ratio, RING=ring, S=slots, SB=sb, CB=cb, G=rows_per_prog, PDL=pdl,
         num_warps=pool_warps, launch_pdl=pdl)
-    _finish_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_casual, row_end,
+    _finish_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
                                 norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
                                 RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
                                 SOFT_BF16=INTERPRET, PDL=pdl,

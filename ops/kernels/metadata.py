@@ -222,7 +222,7 @@ def _empty_i32(device, *shape: int) -> torch.Tensor:
 
 def launch_expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                           num_tokens: int) -> tuple[torch.Tensor, ...]:
-    """``(req_of_row, seq_lens_casual, row_start, row_end)`` int32 [T = num_tokens] from the
+    """``(req_of_row, seq_lens_causal, extend_start, extend_end)`` int32 [T = num_tokens] from the
     per-request ``req_rows, seq_lens, extend_lens`` [B] (int32/int64)."""
     outs = tuple(_empty_i32(req_rows.device, num_tokens) for _ in range(4))
     if num_tokens:
@@ -233,21 +233,21 @@ def launch_expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend
 
 
 def launch_build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
-                            seq_lens_casual: torch.Tensor) -> torch.Tensor:
+                            seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after."""
     t, n_pages = req_of_row.shape[0], req_to_page.shape[1]
     out = _empty_i32(req_of_row.device, t, n_pages)
     if t and n_pages:
         block = _block(n_pages)
         _page_table_kernel[(t, triton.cdiv(n_pages, block))](
-            out, req_to_page, *_rows(req_of_row, seq_lens_casual), req_to_page.stride(0), req_to_page.stride(1),
+            out, req_to_page, *_rows(req_of_row, seq_lens_causal), req_to_page.stride(0), req_to_page.stride(1),
             n_pages,
             PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
     return out
 
 
 def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
-                              req_of_row: torch.Tensor, seq_lens_casual: torch.Tensor,
+                              req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
                               out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(swa_indices [T, 128], swa_lengths [T], swa_out_loc [T])`` int32 (SPEC §3.3, 3.4, 3.7)."""
     t = req_of_row.shape[0]
@@ -255,25 +255,25 @@ def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Ten
                                  _empty_i32(req_of_row.device, t), _empty_i32(req_of_row.device, t))
     if t:
         _swa_kernel[(t,)](indices, lengths, out_loc, req_to_token, full_to_swa,
-                          *_rows(req_of_row, seq_lens_casual, out_cache_loc), req_to_token.stride(0),
+                          *_rows(req_of_row, seq_lens_causal, out_cache_loc), req_to_token.stride(0),
                           req_to_token.stride(1), full_to_swa.stride(0), full_to_swa.shape[0],
                           W=SWA_WINDOW, num_warps=1)
     return indices, lengths, out_loc
 
 
-def launch_build_c4_metadata(seq_lens_casual: torch.Tensor, out_cache_loc: torch.Tensor,
+def launch_build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
                              topk: int) -> tuple[torch.Tensor, ...]:
     """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (SPEC §3.5, 3.6)."""
-    t = seq_lens_casual.shape[0]
-    outs = tuple(_empty_i32(seq_lens_casual.device, t) for _ in range(3))
+    t = seq_lens_causal.shape[0]
+    outs = tuple(_empty_i32(seq_lens_causal.device, t) for _ in range(3))
     if t:
         block = _block(t)
-        _c4_kernel[(triton.cdiv(t, block),)](*outs, *_rows(seq_lens_casual, out_cache_loc), t, topk,
+        _c4_kernel[(triton.cdiv(t, block),)](*outs, *_rows(seq_lens_causal, out_cache_loc), t, topk,
                                              BLOCK=block, num_warps=4)
     return outs
 
 
-def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.Tensor,
+def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                                out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``(c128_out_loc [T], c128_indices [T, K], c128_lengths [T])`` int32 (SPEC §3.5)."""
     t, n_pages = page_table.shape
@@ -283,7 +283,7 @@ def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_casual: torch.
     if t:
         block = _block(width)
         _c128_kernel[(t, max(triton.cdiv(width, block), 1))](  # block 0 writes the scalars
-            out_loc, indices, lengths, page_table, *_rows(seq_lens_casual, out_cache_loc),
+            out_loc, indices, lengths, page_table, *_rows(seq_lens_causal, out_cache_loc),
             page_table.stride(0), page_table.stride(1), n_pages, width, BLOCK=block, num_warps=4)
     return out_loc, indices, lengths
 

@@ -133,12 +133,12 @@ def _chain(step, req_to_token, full_to_swa, topk, meta):
     """The metadata ops of one step, in ``build_step_metadata`` order, through ``meta``."""
     req_rows, seq_lens, extend_lens, out_cache_loc = step
     expanded = meta["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    req_of_row, seq_casual = expanded[:2]
-    page_table = meta["page_table"](ref_meta.page_map(req_to_token), req_of_row, seq_casual)
+    req_of_row, seq_causal = expanded[:2]
+    page_table = meta["page_table"](ref_meta.page_map(req_to_token), req_of_row, seq_causal)
     return (*expanded, page_table,
-            *meta["swa"](req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-            *meta["c4"](seq_casual, out_cache_loc, topk),
-            *meta["c128"](page_table, seq_casual, out_cache_loc))
+            *meta["swa"](req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
+            *meta["c4"](seq_causal, out_cache_loc, topk),
+            *meta["c128"](page_table, seq_causal, out_cache_loc))
 
 
 OPS = dict(expand=ops.expand_queries, page_table=ops.build_page_table, swa=ops.build_swa_metadata,

@@ -38,7 +38,7 @@ def test_compress_kv_matches_reference(device, ratio, d, rotate, scenario):
     gen = torch.Generator(device=device).manual_seed(ratio + d + len(scenario))
     args = inputs.compressor_args(ratio, d, seq, ext, gen, num_tokens=num_tokens, rotate=rotate,
                                   ring=16 if ratio == 4 else 128)
-    assert (args["seq_lens_casual"] % ratio == 0).any()
+    assert (args["seq_lens_causal"] % ratio == 0).any()
     inputs.check_compress_kv(launch_compress_kv, args)
 
 

@@ -48,17 +48,17 @@ def test_metadata_chain_matches_reference(device, name):
     t = out_cache_loc.shape[0]
     expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, t)
     _assert_same(K.launch_expand_queries(req_rows, seq_lens, extend_lens, t), expanded)
-    req_of_row, seq_casual = expanded[:2]
+    req_of_row, seq_causal = expanded[:2]
 
-    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
-    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)], [page_table])
-    _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-                 ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc))
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_causal)
+    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_causal)], [page_table])
+    _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
+                 ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc))
     for topk in (2, 512):
-        _assert_same(K.launch_build_c4_metadata(seq_casual, out_cache_loc, topk),
-                     ref.build_c4_metadata(seq_casual, out_cache_loc, topk))
-    _assert_same(K.launch_build_c128_metadata(page_table, seq_casual, out_cache_loc),
-                 ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
+        _assert_same(K.launch_build_c4_metadata(seq_causal, out_cache_loc, topk),
+                     ref.build_c4_metadata(seq_causal, out_cache_loc, topk))
+    _assert_same(K.launch_build_c128_metadata(page_table, seq_causal, out_cache_loc),
+                 ref.build_c128_metadata(page_table, seq_causal, out_cache_loc))
 
 
 def _reference_chain(step, req_to_token, full_to_swa, topk):
@@ -83,13 +83,13 @@ def test_int64_inputs_and_torch_negative_indexing(device):
     t = out_cache_loc.shape[0]
     expanded = ref.expand_queries(req_rows, seq_lens, extend_lens, t)
     _assert_same(K.launch_expand_queries(req_rows, seq_lens, extend_lens, t), expanded)
-    req_of_row, seq_casual = (x.long() for x in expanded[:2])
-    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual).long()
-    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)], [page_table.int()])
-    _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc),
-                 ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_casual, out_cache_loc))
-    _assert_same(K.launch_build_c128_metadata(page_table, seq_casual, out_cache_loc),
-                 ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
+    req_of_row, seq_causal = (x.long() for x in expanded[:2])
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_causal).long()
+    _assert_same([K.launch_build_page_table(ref.page_map(req_to_token), req_of_row, seq_causal)], [page_table.int()])
+    _assert_same(K.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
+                 ref.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc))
+    _assert_same(K.launch_build_c128_metadata(page_table, seq_causal, out_cache_loc),
+                 ref.build_c128_metadata(page_table, seq_causal, out_cache_loc))
     step = (req_rows, seq_lens, extend_lens, out_cache_loc)
     _assert_same(K.launch_step_metadata(*step, req_to_token, ref.page_map(req_to_token), full_to_swa, 512),
                  _reference_chain(step, req_to_token, full_to_swa, 512))
@@ -119,9 +119,9 @@ def test_expand_many_requests_crosses_chunks(device):
 
 def test_strided_page_table_input(device):
     req_to_token, _, (req_rows, seq_lens, extend_lens, out_cache_loc) = _inputs(device, "decode")
-    req_of_row, seq_casual, _, _ = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_casual)
+    req_of_row, seq_causal, _, _ = ref.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
+    page_table = ref.build_page_table(ref.page_map(req_to_token), req_of_row, seq_causal)
     strided = torch.zeros(page_table.shape[1], page_table.shape[0], dtype=torch.int32, device=device).t()
     strided.copy_(page_table)
-    _assert_same(K.launch_build_c128_metadata(strided, seq_casual, out_cache_loc),
-                 ref.build_c128_metadata(page_table, seq_casual, out_cache_loc))
+    _assert_same(K.launch_build_c128_metadata(strided, seq_causal, out_cache_loc),
+                 ref.build_c128_metadata(page_table, seq_causal, out_cache_loc))

@@ -72,7 +72,7 @@ def test_compress_kv(state, layer_id, step_name, index):
     with torch.no_grad():
         kv, score = comp.project(x)
     _opcheck(ops.compress_kv, (state_buf.clone(), kv, score, comp.ape.detach(), meta.req_of_row,
-                               meta.seq_lens_casual, meta.row_start, meta.row_end, comp.norm.detach(),
+                               meta.seq_lens_causal, meta.extend_start, meta.extend_end, comp.norm.detach(),
                                layer.inv_freq, comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps))
 
 

@@ -1,0 +1,56 @@
+"""Registering a ``dsv4::`` op once: schema, argument check, reference kernel, CUDA kernel, fake.
+
+An op family module states each op as one decorated function::
+
+    @dsv4_op("store_kv", check=_check_store_kv, fake=_store_kv_fake, cuda=_store_kv_cuda,
+             mutates_args=("cache",))
+    def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
+        ref.store_model1(cache, slots, k, page_size)
+
+The decorated function's signature is the op schema and its body the reference, registered as the
+kernel of every device. ``check`` runs before every implementation — reference, CUDA and fake —
+so a bad argument fails with the same error eagerly, under tracing and in a compiled graph's
+fake pass. ``cuda`` (same signature as the op) is registered as the CUDA kernel only where
+Triton is installed; elsewhere the reference stays the kernel on every device.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+
+try:
+    import triton  # noqa: F401
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+NAMESPACE = "dsv4"
+
+
+def _checked(fn: Callable, check: Callable) -> Callable:
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        check(*args, **kwargs)
+        return fn(*args, **kwargs)
+    return run
+
+
+def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None = None,
+            mutates_args: Sequence[str] = (), device_types: str | None = None):
+    """Decorator turning a reference function into the custom op ``dsv4::<name>`` (see module doc).
+
+    ``device_types="cuda"`` registers no reference kernel: the op then runs only on CUDA, through
+    ``cuda`` (which must be given).
+    """
+    def register(reference: Callable) -> torch.library.CustomOpDef:
+        impl = reference if device_types is None else cuda
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", _checked(impl, check),
+                                     mutates_args=tuple(mutates_args), device_types=device_types)
+        if cuda is not None and device_types is None and HAS_TRITON:
+            op.register_kernel("cuda")(_checked(cuda, check))
+        op.register_fake(_checked(fake, check))
+        return op
+    return register
