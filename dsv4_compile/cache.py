@@ -100,5 +100,13 @@ class DSV4Cache(nn.Module):
     def device(self) -> torch.device:
         return self.req_to_token.device
 
+    def clear_request_state(self, row: int) -> None:
+        """Zero request row ``row``'s compressor state rings in every layer (a new request)."""
+        for layer in self.layers:
+            for name in ("kv_state", "index_state"):
+                state = getattr(layer, name, None)
+                if state is not None:
+                    state[row * layer.ring:(row + 1) * layer.ring] = 0
+
     def nbytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self.buffers())

@@ -71,10 +71,6 @@ class DSV4AttnConfig:
 
     # -- derived -------------------------------------------------------------------------
     @property
-    def head_dim(self) -> int:
-        return HEAD_DIM
-
-    @property
     def num_layers(self) -> int:
         return len(self.compress_ratios)
 

@@ -31,10 +31,12 @@ def test_slots_are_page_aligned_and_maps_written():
 def test_swa_pages_are_evicted_once_out_of_the_window():
     cache, alloc = _alloc()
     a = alloc.admit()
+    depth = CFG.max_draft_tokens
     first = alloc.extend(a, 256)  # page 0 of the request, full
-    alloc.extend(a, 127)  # length 383; this step's queries (256..382) still read page 0
+    alloc.extend(a, 127 + depth)  # this step's queries (256..382 + depth) still read page 0
     assert torch.all(cache.full_to_swa[first] > 0)
-    assert alloc.evict_swa(a) == 1  # the next query (pos 383) sees positions 256.. only
+    # the next query, even after the deepest rollback (pos 383), sees positions 256.. only
+    assert alloc.evict_swa(a) == 1
     assert torch.all(cache.full_to_swa[first] == 0)
     assert alloc.free_swa_pages == cache.num_swa_pages - 1 - 1
 
@@ -43,11 +45,11 @@ def test_truncate_and_free_return_pages():
     cache, alloc = _alloc()
     a = alloc.admit()
     free_full = alloc.free_full_pages
-    alloc.extend(a, 250)
-    alloc.extend(a, 10)  # drafts cross into a second page
+    alloc.extend(a, 254)
+    alloc.extend(a, 4)  # drafts cross into a second page
     assert alloc.free_full_pages == free_full - 2
-    alloc.truncate(a, 252)  # all drafts but two rejected: the second page is released
-    assert alloc.seq_len(a) == 252 and alloc.free_full_pages == free_full - 1
+    alloc.truncate(a, 255)  # all drafts but one rejected: the second page is released
+    assert alloc.seq_len(a) == 255 and alloc.free_full_pages == free_full - 1
     alloc.free(a)
     assert alloc.free_full_pages == free_full and alloc.free_swa_pages == cache.num_swa_pages - 1
     assert alloc.admit() == a
@@ -62,15 +64,83 @@ def test_out_of_pages_and_rows():
     before = cache.req_to_token.clone()
     with pytest.raises(ValueError, match="max_seq_len"):
         alloc.extend(a, 600)
+    assert torch.equal(cache.req_to_token, before) and alloc.seq_len(a) == 512
     cache2, alloc2 = _alloc(max_requests=2, num_full_pages=3)
     b, c = alloc2.admit(), alloc2.admit()
     alloc2.extend(b, 512)
+    before2 = cache2.req_to_token.clone()
     with pytest.raises(OutOfPagesError, match="needs 1 full"):
         alloc2.extend(c, 1)
-    assert torch.equal(cache.req_to_token, before)
+    assert torch.equal(cache2.req_to_token, before2) and alloc2.seq_len(c) == 0
 
 
 def test_unknown_row_is_rejected():
     _, alloc = _alloc()
     with pytest.raises(ValueError, match="not active"):
         alloc.extend(2, 1)
+
+
+def test_freed_rows_and_truncated_positions_read_as_no_page():
+    cache, alloc = _alloc()
+    a = alloc.admit()
+    loc = alloc.extend(a, 258)
+    alloc.truncate(a, 255)
+    assert torch.all(cache.req_to_token[a, 255:] == 0) and torch.all(cache.req_to_page[a, 1:] == 0)
+    assert torch.all(cache.full_to_swa[loc[255:]] == 0)  # dropped slots have no SWA storage
+    assert torch.equal(cache.req_to_token[a, :255].long(), loc[:255])
+    alloc.free(a)
+    assert torch.all(cache.req_to_token[a] == 0) and torch.all(cache.req_to_page[a] == 0)
+
+
+def test_rollback_is_bounded_by_max_draft_tokens():
+    cache, alloc = _alloc()
+    a = alloc.admit()
+    depth = CFG.max_draft_tokens
+    alloc.extend(a, 300)
+    alloc.truncate(a, 300 - depth + 1)
+    alloc.extend(a, 1)  # the longest length reached is still 300
+    before = (cache.req_to_token.clone(), alloc.seq_len(a), alloc.free_full_pages)
+    with pytest.raises(ValueError, match="max_draft_tokens"):
+        alloc.truncate(a, 300 - depth - 1)
+    assert torch.equal(cache.req_to_token, before[0])
+    assert (alloc.seq_len(a), alloc.free_full_pages) == before[1:]
+    alloc.truncate(a, 300 - depth)  # exactly max_draft_tokens below is allowed
+
+
+def test_swa_pages_outlive_the_window_by_the_rollback_depth():
+    cache, alloc = _alloc()
+    a = alloc.admit()
+    depth = CFG.max_draft_tokens
+    first = alloc.extend(a, 256)
+    alloc.extend(a, 126 + depth)  # rolling back depth tokens brings back the query at 382
+    assert alloc.evict_swa(a) == 0 and torch.all(cache.full_to_swa[first] > 0)
+    alloc.truncate(a, 382)  # the query at 382 reads positions 255 .. 382: page 0 is needed
+    alloc.extend(a, 1)
+    assert alloc.evict_swa(a) == 0  # a rollback to 382 is still allowed
+    alloc.extend(a, depth)  # longest length 383 + depth: no query below 383 can come back
+    assert alloc.evict_swa(a) == 1 and torch.all(cache.full_to_swa[first] == 0)
+
+
+def test_admission_clears_the_rows_compressor_state():
+    cfg = DSV4AttnConfig.from_name("tiny")
+    cache = DSV4Cache(cfg, max_requests=2, max_seq_len=512)
+    alloc = PageAllocator(cache)
+    a = alloc.admit()
+    for layer in cache.layers[1:]:
+        layer.kv_state.fill_(float("nan"))
+    alloc.free(a)
+    b = alloc.admit()
+    assert b == a
+    for layer in cache.layers[1:]:
+        rows = layer.kv_state[b * layer.ring:(b + 1) * layer.ring]
+        assert torch.all(rows == 0)
+        assert torch.isnan(layer.kv_state[(b + 1) * layer.ring:]).all()  # other rows untouched
+
+
+@pytest.mark.parametrize("bad", [torch.tensor(3), 2.0, True])
+def test_counts_must_be_ints(bad):
+    cache, alloc = _alloc()
+    a = alloc.admit()
+    with pytest.raises(TypeError, match="num_tokens must be an int"):
+        alloc.extend(a, bad)
+    assert alloc.seq_len(a) == 0 and torch.all(cache.req_to_token == 0)
