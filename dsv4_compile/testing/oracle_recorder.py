@@ -66,21 +66,30 @@ class OracleRecorder:
         inputs = self.draw(tokens)
         self._step_io.clear()
         outputs = self.engine.run(mode, inputs, **pad)
+        self._record(inputs)
+        return outputs
+
+    def _record(self, inputs: Mapping[int, torch.Tensor]) -> None:
+        """Append the step's inputs (and captured layer rows) to each request's history, cut back
+        first to the request's length before the step."""
         lo = 0
         for row, x in inputs.items():
             n = x.shape[0]
             start = self.engine.allocator.seq_len(row) - n
-            self._history[row] = torch.cat([self._history.get(row, x[:0])[:start], x])
-            if self._step_io:
-                layer_history = self._layer_history.get(row, [x[:0]] * len(self._step_io))
+            past = self._history.get(row, x[:0])
+            if past.shape[0] < start:
+                raise RuntimeError(f"request {row} holds {start} tokens before this step but only "
+                                   f"{past.shape[0]} were fed through this recorder")
+            self._history[row] = torch.cat([past[:start], x])
+            layer_history = self._layer_history.get(row) if start else [x[:0]] * len(self._step_io)
+            if self._step_io and layer_history and layer_history[0].shape[0] >= start:
                 self._layer_history[row] = [torch.cat([h[:start], inp[lo:lo + n]])
                                             for h, (inp, _) in zip(layer_history, self._step_io)]
                 self._layer_outputs[row] = [o[lo:lo + n] for _, o in self._step_io]
-            else:
+            else:  # not captured now or at an earlier step: the oracle recomputes the layer inputs
                 self._layer_history.pop(row, None)
                 self._layer_outputs.pop(row, None)
             lo += n
-        return outputs
 
     def history(self, row: int) -> torch.Tensor:
         """``[L, hidden] bf16``: every input of request ``row`` (L = its current length)."""
