@@ -3,107 +3,78 @@
 Usage:
     python benchmarks/bench_ops.py                       # every case, JSON to bench_ops.json
     python benchmarks/bench_ops.py --batch 256 --capacity 1048576 --only metadata
+    python benchmarks/bench_ops.py --only compressor indexer
+    python benchmarks/bench_ops.py --only indexer_logits --capacity 131072 1048576 --batch 256
     python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
     TRITON_INTERPRET=1 python benchmarks/bench_ops.py --dry-run --device cpu --batch 1 4 --capacity 1024
 
-Timing: each case's callable is run twice (compile / warm up), then ``--inner`` calls are captured
-in one CUDA graph, the graph is replayed ``--iters`` times and the median replay time divided by
-``--inner`` is reported (so graph-launch overhead is amortised, as inside a full-step graph).
-By default the L2 is warm across the inner calls; ``--cold-l2`` writes a 2x-L2 buffer before
-every call and subtracts the time of that write alone (noisier; better for large gathers).
+Timing: ``dsv4_compile.testing.bench.graph_us`` (``--inner`` calls captured in one CUDA graph,
+the graph replayed ``--iters`` times, the median replay time divided by ``--inner``). By default
+the L2 is warm across the inner calls; ``--cold-l2`` writes a 2x-L2 buffer before every call and
+subtracts the time of that write alone (noisier; better for large gathers).
 
 Reported per case: kernel and reference µs, bytes moved (each case builder states what it counts),
 achieved GB/s and the fraction of the H200's 4.8 TB/s. A summary records the two step budgets:
 all metadata ops of a b=256 decode step at 1M tokens per request, as five launches and fused
 (``dsv4::step_metadata``) (target <= 10 µs), and ``store_kv`` at b=256 (target <= 5 µs).
 
-Adding cases: a builder is ``fn(args) -> list[Case]`` appended to ``CASE_BUILDERS``. Another
-module next to this script, ``ops_cases_compress_index.py``, is imported when present and must
-expose ``cases(args) -> list`` of objects with the attributes of :class:`Case` (``from bench_ops
-import Case`` works, the script's folder is on ``sys.path``).
+Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated):
+
+* kv_cache: ``store_kv`` (SWA page 256 and c128 page 2), ``dequant_kv``, ``store_index_k``.
+* metadata: each metadata op, and all of them chained, at every capacity in ``--capacity``.
+* compressor: ``compress_kv`` c4 attention (d 512), c4 indexer (d 128 + Hadamard), c128 (d 512):
+  b decode rows at random positions (about b / r complete a window); target <= 5 µs at b = 256.
+  Also ``compress_kv_prefill``: one 4096-row prefill per compressor (64 rows under --device cpu).
+* indexer: ``indexer_prepare_q`` (b rows x 64 heads); ``indexer_logits`` (the scan alone) and
+  ``indexer_topk`` (scan + select) for every capacity (tokens per request, 1M = 262144 c4
+  entries): every request at full length, so each row scans ``capacity / 4`` entries; K = 512.
+  Target: scan >= 60% of HBM bandwidth at >= 128k. All share one random-code index cache sized
+  for the largest b x capacity; the reference is timed only up to 2^22 scanned entries (it
+  gathers fp32 keys: seconds per call beyond).
+
+Adding cases: a builder is ``fn(args) -> list[Case]`` (``dsv4_compile.testing.bench.Case``)
+appended to ``CASE_BUILDERS``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
-import statistics
 import sys
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dsv4_compile import layout as L  # noqa: E402
-from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW  # noqa: E402
-from dsv4_compile.ops.kernels import kv_cache as kv_kernels  # noqa: E402
-from dsv4_compile.ops.kernels import metadata as meta_kernels  # noqa: E402
-from dsv4_compile.reference import kv_store as ref_kv  # noqa: E402
-from dsv4_compile.reference import metadata as ref_meta  # noqa: E402
-from dsv4_compile.testing import cache_inputs as inputs  # noqa: E402
+from dsv4_compile import layout
+from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW
+from dsv4_compile.ops.kernels import compressor as comp_kernels
+from dsv4_compile.ops.kernels import indexer as index_kernels
+from dsv4_compile.ops.kernels import kv_cache as kv_kernels
+from dsv4_compile.ops.kernels import metadata as meta_kernels
+from dsv4_compile.reference import compressor as ref_comp
+from dsv4_compile.reference import indexer as ref_index
+from dsv4_compile.reference import kv_store as ref_kv
+from dsv4_compile.reference import metadata as ref_meta
+from dsv4_compile.rope import layer_inv_freq
+from dsv4_compile.testing import cache_inputs as inputs
+from dsv4_compile.testing import compress_index
+from dsv4_compile.testing.bench import Case, compress_kv_bytes, graph_us
 
 PEAK_GBPS = 4800.0  # H200 HBM3e
 INDEX_TOPK = 512
+INDEX_HEADS = 64
 STEP_BUDGETS = {  # summary key -> (case name, params to match, target µs)
     "decode_metadata_b256_1M": ("decode_metadata_total", {"b": 256, "capacity": 1 << 20}, 10.0),
     "decode_metadata_fused_b256_1M": ("decode_metadata_fused", {"b": 256, "capacity": 1 << 20}, 10.0),
-    "store_kv_b256": ("store_kv", {"b": 256, "page": L.SWA_PAGE_SIZE}, 5.0),
+    "store_kv_b256": ("store_kv", {"b": 256, "page": layout.SWA_PAGE_SIZE}, 5.0),
 }
-
-
-@dataclass
-class Case:
-    """One benchmark row. ``kernel`` / ``reference`` take no arguments (inputs are closed over)
-    and must be CUDA-graph capturable; ``bytes`` is the HBM traffic the GB/s figure uses."""
-
-    name: str
-    params: dict
-    kernel: Callable[[], object]
-    reference: Callable[[], object] | None
-    bytes: int
-    family: str = ""
-    notes: str = ""
-    extra: dict = field(default_factory=dict)
+COMPRESSORS = (("c4_attn", 4, 512), ("c4_index", 4, INDEX_HEAD_DIM), ("c128", 128, 512))
+_REFERENCE_MAX_ENTRIES = 1 << 22
 
 
 # -- timing ------------------------------------------------------------------------------------
-def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[[], object] | None = None
-             ) -> float:
-    """Median µs per call of ``fn`` (preceded by ``before`` if given) over CUDA-graph replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph expects
-        for _ in range(2):
-            if before is not None:
-                before()
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(inner):
-            if before is not None:
-                before()
-            fn()
-    graph.replay()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        graph.replay()
-        e.record()
-    torch.cuda.synchronize()
-    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-    del graph
-    return 1e3 * ms / inner
-
-
 def time_case(fn, args, flush) -> float:
     if not args.cold_l2:
         return graph_us(fn, args.iters, args.inner)
@@ -125,29 +96,29 @@ def kv_cache_cases(args) -> list[Case]:
     for b in args.batch:
         gen = torch.Generator(device=args.device).manual_seed(b)
         k = inputs.model1_keys(b, gen)
-        for page in (L.SWA_PAGE_SIZE, L.C128_PAGE_SIZE):
+        for page in (layout.SWA_PAGE_SIZE, layout.C128_PAGE_SIZE):
             num_pages = 2 * b // page + 3
-            cache = torch.zeros(num_pages, L.model1_page_bytes(page), dtype=torch.uint8, device=args.device)
+            cache = torch.zeros(num_pages, layout.model1_page_bytes(page), dtype=torch.uint8, device=args.device)
             slots = inputs.distinct_slots(b, num_pages, page, gen)
             params = {"b": b, "page": page}
             cases.append(Case("store_kv", params, family="kv_cache",
                               kernel=partial(kv_kernels.launch_store_kv, cache, slots, k, page),
                               reference=partial(ref_kv.store_model1, cache, slots, k, page),
-                              bytes=b * (2 * HEAD_DIM + 8 + L.TOKEN_BYTES)))
-            if page == L.SWA_PAGE_SIZE:
+                              bytes=b * (2 * HEAD_DIM + 8 + layout.TOKEN_BYTES)))
+            if page == layout.SWA_PAGE_SIZE:
                 cases.append(Case("dequant_kv", params, family="kv_cache",
                                   kernel=partial(kv_kernels.launch_dequant_kv, cache, slots, page),
                                   reference=partial(_dequant_reference, cache, slots, page),
-                                  bytes=b * (8 + L.TOKEN_BYTES + 2 * HEAD_DIM)))
-        page = L.INDEX_PAGE_SIZE
+                                  bytes=b * (8 + layout.TOKEN_BYTES + 2 * HEAD_DIM)))
+        page = layout.INDEX_PAGE_SIZE
         num_pages = 2 * b // page + 3
-        cache = torch.zeros(num_pages, L.index_page_bytes(page), dtype=torch.uint8, device=args.device)
+        cache = torch.zeros(num_pages, layout.index_page_bytes(page), dtype=torch.uint8, device=args.device)
         slots = inputs.distinct_slots(b, num_pages, page, gen)
         k_index = inputs.index_keys(b, torch.bfloat16, gen)
         cases.append(Case("store_index_k", {"b": b, "page": page}, family="kv_cache",
                           kernel=partial(kv_kernels.launch_store_index_k, cache, slots, k_index, page),
                           reference=partial(ref_kv.store_index_k, cache, slots, k_index, page),
-                          bytes=b * (2 * INDEX_HEAD_DIM + 8 + L.INDEX_ENTRY_BYTES)))
+                          bytes=b * (2 * INDEX_HEAD_DIM + 8 + layout.INDEX_ENTRY_BYTES)))
     return cases
 
 
@@ -238,13 +209,93 @@ def metadata_cases(args) -> list[Case]:
     return cases
 
 
-CASE_BUILDERS: list[Callable[[argparse.Namespace], list]] = [kv_cache_cases, metadata_cases]
+# -- compressor and indexer cases --------------------------------------------------------------
+def _compress_case(name, args, params) -> Case:
+    """Bytes: ``compress_kv_bytes`` (kv + score read, ring and entry written, ring slots read)."""
+    return Case(name, params, family="compressor", bytes=compress_kv_bytes(args),
+                kernel=partial(comp_kernels.launch_compress_kv, **args),
+                reference=partial(ref_comp.compress_kv, **args),
+                notes="target <= 5 us at b=256 decode" if name == "compress_kv" else "")
 
 
-def _extra_builders() -> list[Callable]:
-    if importlib.util.find_spec("ops_cases_compress_index") is None:
-        return []
-    return [importlib.import_module("ops_cases_compress_index").cases]
+def compressor_cases(args) -> list[Case]:
+    cases = []
+    prefill_rows = 4096 if args.device == "cuda" else 64
+    for label, ratio, d in COMPRESSORS:
+        for b in args.batch:
+            gen = torch.Generator(device=args.device).manual_seed(b)
+            seq = torch.randint(1, 1 << 20, (b,), generator=gen, device=args.device).tolist()
+            cargs = compress_index.compressor_args(ratio, d, seq, [1] * b, gen)
+            cases.append(_compress_case("compress_kv", cargs, {"b": b, "compressor": label}))
+        gen = torch.Generator(device=args.device).manual_seed(ratio + d)
+        cargs = compress_index.compressor_args(ratio, d, [prefill_rows], [prefill_rows], gen)
+        cases.append(_compress_case("compress_kv_prefill", cargs, {"T": prefill_rows, "compressor": label}))
+    return cases
+
+
+def prepare_q_cases(args) -> list[Case]:
+    """Bytes: q read (bf16) and weights; fp8 q and fp32 w written."""
+    cases = []
+    inv_freq = layer_inv_freq(compress_index.CONFIG, 4).to(args.device)
+    scale = compress_index.CONFIG.index_weight_scale
+    for b in args.batch:
+        gen = torch.Generator(device=args.device).manual_seed(b)
+        q, w = compress_index.indexer_q(b, INDEX_HEADS, gen)
+        pos = torch.randint(0, 1 << 20, (b,), generator=gen, device=args.device, dtype=torch.int32)
+        op_args = (q, w, pos, inv_freq, scale)
+        cases.append(Case("indexer_prepare_q", {"b": b}, family="indexer",
+                          bytes=b * INDEX_HEADS * (2 * INDEX_HEAD_DIM + 2 + INDEX_HEAD_DIM + 4),
+                          kernel=partial(index_kernels.launch_indexer_prepare_q, *op_args),
+                          reference=partial(ref_index.indexer_prepare_q, *op_args)))
+    return cases
+
+
+def _scan(q_fp8, w, cache, page_table, visible, topk, ws, minmax):
+    index_kernels.launch_indexer_logits(q_fp8, w, cache, page_table, visible, topk, ws, minmax)
+
+
+def topk_cases(args) -> list[Case]:
+    """indexer_logits / indexer_topk for every (b, capacity) on one shared cache.
+
+    Bytes: the scan reads 132 B per visible entry (128 fp8 + fp32 scale) and writes a 4 B logit;
+    topk adds the select's reads of the logits (three 4 B passes) and the output.
+    """
+    cases = []
+    page_tokens = 4 * layout.INDEX_PAGE_SIZE  # tokens per c4 index page
+    max_pages = max(args.batch) * max(args.capacity) // page_tokens
+    gen = torch.Generator(device=args.device).manual_seed(0)
+    cache = compress_index.random_index_cache(max_pages + 1, gen)
+    inv_freq = layer_inv_freq(compress_index.CONFIG, 4).to(args.device)
+    weight_scale = compress_index.CONFIG.index_weight_scale
+    for capacity in args.capacity:
+        num_pages = capacity // page_tokens
+        entries = num_pages * layout.INDEX_PAGE_SIZE
+        for b in args.batch:
+            q, w = compress_index.indexer_q(b, INDEX_HEADS, gen)
+            visible = torch.full((b,), entries, dtype=torch.int32, device=args.device)
+            q_fp8, w = ref_index.indexer_prepare_q(q, w, 4 * visible, inv_freq, weight_scale)
+            pt = compress_index.page_table(b, num_pages, max_pages + 1, gen)
+            op_args = (q_fp8, w, cache, pt, visible, INDEX_TOPK)
+            scanned = b * entries
+            ref_logits = partial(ref_index.indexer_logits, *op_args[:4])
+            with_ref = scanned <= _REFERENCE_MAX_ENTRIES
+            params = {"b": b, "capacity": capacity, "topk": INDEX_TOPK}
+            ws, minmax = index_kernels.indexer_workspace(b, entries, args.device)
+            if ws.shape[0] == b:  # the scan alone, when one workspace chunk holds every row
+                cases.append(Case("indexer_logits", params, family="indexer",
+                                  bytes=scanned * (layout.INDEX_ENTRY_BYTES + 4),
+                                  kernel=partial(_scan, *op_args, ws, minmax),
+                                  reference=ref_logits if with_ref else None,
+                                  notes="target >= 60% of HBM at >= 128k"))
+            cases.append(Case("indexer_topk", params, family="indexer",
+                              bytes=scanned * (layout.INDEX_ENTRY_BYTES + 16) + 4 * b * INDEX_TOPK,
+                              kernel=partial(index_kernels.launch_indexer_topk, *op_args),
+                              reference=partial(ref_index.indexer_topk, *op_args) if with_ref else None))
+    return cases
+
+
+CASE_BUILDERS: list[Callable[[argparse.Namespace], list[Case]]] = [
+    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases]
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -256,7 +307,7 @@ def run(args) -> dict:
         scratch = torch.empty(2 * l2, dtype=torch.uint8, device=args.device)
         flush = scratch.zero_
     results = []
-    for builder in CASE_BUILDERS + _extra_builders():
+    for builder in CASE_BUILDERS:
         for case in builder(args):
             label = f"{case.name} {case.params}"
             if args.only and not any(s in f"{case.family} {label}" for s in args.only):
@@ -296,7 +347,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests (rows) per step")
     parser.add_argument("--capacity", type=int, nargs="+", default=[8192, 131072, 1 << 20],
-                        help="tokens per request (L_max) for the metadata cases")
+                        help="tokens per request (L_max) for the metadata and indexer cases")
     parser.add_argument("--iters", type=int, default=100, help="graph replays timed")
     parser.add_argument("--inner", type=int, default=20, help="calls captured per graph")
     parser.add_argument("--only", nargs="*", default=[], help="keep cases whose 'family name {params}' "

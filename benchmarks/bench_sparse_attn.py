@@ -8,20 +8,21 @@ Usage:
 Implementations: ``triton`` (the op, which picks the fused, warp-specialised or two-pass path from
 the shapes and the GPU), ``triton_fused``, ``triton_ws`` and ``triton_two_pass`` (each path forced;
 ``triton_ws`` reports an error off sm_90), ``flashmla``, ``flashmla_op``, ``reference``. Every
-implementation is timed the same way: ``--reps`` back-to-back calls captured in one
-``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times, each replay timed with CUDA events;
-the median per call is reported (warm L2: the same inputs every call). FlashMLA is timed as the raw
-``flash_mla_with_kvcache`` call on pre-sanitised int32 indices with a reused scheduler metadata (the
-GPU.md anchors), and as our ``dsv4::sparse_attn_flashmla`` op (index sanitising included). The
-reference runs only where ``rows x entries <= --reference-max-row-keys``. ``--sweep`` also times
-the fused path over block sizes, pipeline stages and split counts, the two-pass path over block
-sizes, warps and stages, and on sm_90 the warp-specialised ring shapes and L2 prefetch;
-``--kernel-info`` prints registers, spills and shared memory of every compiled kernel variant at
-the end.
+implementation is timed the same way (``dsv4_compile.testing.bench.graph_us``): ``--reps``
+back-to-back calls captured in one ``torch.cuda.CUDAGraph``, the graph replayed ``--iters`` times,
+each replay timed with CUDA events; the median per call is reported (warm L2: the same inputs
+every call). FlashMLA is timed as the raw ``flash_mla_with_kvcache`` call on pre-sanitised int32
+indices with a reused scheduler metadata (its best case, the anchor of the ratio column), and as
+our ``dsv4::sparse_attn_flashmla`` op (index sanitising included). The reference runs only where
+``rows x entries <= --reference-max-row-keys``. ``--sweep`` also times the fused path over block
+sizes, pipeline stages and split counts, the two-pass path over block sizes, warps and stages,
+and on sm_90 the warp-specialised ring shapes and L2 prefetch; ``--kernel-info`` prints
+registers, spills and shared memory of every compiled kernel variant at the end.
 
-Columns: µs per call; TFLOPS-equivalent, ``flops()``; GB/s, ``bytes()``; ratio = FlashMLA µs / µs
-(> 1: faster than FlashMLA). Inputs are full-length rows (no holes), every row with its own
-entries scattered over the pools, except prefill rows, which share one request's pools.
+Columns: µs per call; TFLOPS-equivalent, ``sparse_attn_flops``; GB/s, ``sparse_attn_bytes`` (both
+in ``dsv4_compile.testing.bench``); ratio = FlashMLA µs / µs (> 1: faster than FlashMLA). Inputs
+are full-length rows (no holes), every row with its own entries scattered over the pools, except
+prefill rows, which share one request's pools.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from dataclasses import dataclass
 import torch
 
 import dsv4_compile  # noqa: F401  (registers the dsv4:: ops)
-from dsv4_compile import layout
 from dsv4_compile.config import HEAD_DIM
 from dsv4_compile.ops.kernels import flashmla
 from dsv4_compile.ops.kernels import sparse_attn as K
@@ -41,42 +41,30 @@ from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
 from dsv4_compile.ops.kernels import sparse_attn_ws as ws
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
-
-from bench_ops import graph_us  # the script's folder is on sys.path: one timing method for both
+from dsv4_compile.testing.bench import graph_us, sparse_attn_bytes, sparse_attn_flops
 
 
 @dataclass(frozen=True)
-class Case:
+class AttnShape:
+    """One benchmarked input shape (a case of ``--cases``): query rows x heads, the extra cache
+    kind and index width, and pool capacities (None: distinct entries per row)."""
+
     name: str
     rows: int
     heads: int
     extra: str | None
     extra_width: int
-    swa_capacity: int | None = None  # None: distinct entries per row
+    swa_capacity: int | None = None
     extra_capacity: int | None = None
 
 
-CASES = [Case(f"c4_flash_b{b}", b, 64, "c4", 512) for b in (1, 8, 32, 128, 256)] + [
-    Case("c128_flash_128k_b64", 64, 64, "c128", 1024),
-    Case("c128_flash_1m_b64", 64, 64, "c128", 8192),
-    Case("c4_pro_b64", 64, 128, "c4", 1024),
-    Case("c4_pro_b128", 128, 128, "c4", 1024),
-    Case("c4_flash_prefill_t2048", 2048, 64, "c4", 512, swa_capacity=2048 + 128, extra_capacity=16384),
+CASES = [AttnShape(f"c4_flash_b{b}", b, 64, "c4", 512) for b in (1, 8, 32, 128, 256)] + [
+    AttnShape("c128_flash_128k_b64", 64, 64, "c128", 1024),
+    AttnShape("c128_flash_1m_b64", 64, 64, "c128", 8192),
+    AttnShape("c4_pro_b64", 64, 128, "c4", 1024),
+    AttnShape("c4_pro_b128", 128, 128, "c4", 1024),
+    AttnShape("c4_flash_prefill_t2048", 2048, 64, "c4", 512, swa_capacity=2048 + 128, extra_capacity=16384),
 ]
-
-
-def flops(inp: AttnInputs) -> float:
-    """QK and PV, both over the full 512 dims: ``2 * 2 * H * 512`` per (row, entry); all rows
-    assumed full length (the benchmark's inputs are)."""
-    rows, heads, _ = inp.q.shape
-    return 4.0 * heads * HEAD_DIM * inp.entries_per_row() * rows
-
-
-def bytes_moved(inp: AttnInputs) -> float:
-    """Gathered cache entries (584 B each, counted once per row even when rows share entries)
-    plus q read and out written (bf16)."""
-    rows, heads, _ = inp.q.shape
-    return rows * (layout.TOKEN_BYTES * inp.entries_per_row() + 2 * 2 * heads * HEAD_DIM)
 
 
 def flashmla_raw(inp: AttnInputs):
@@ -132,7 +120,7 @@ def max_diff(got, want) -> dict:
                 lse_diff=(got[1] - want[1]).abs().max().item())
 
 
-def run_case(case: Case, args) -> list[dict]:
+def run_case(case: AttnShape, args) -> list[dict]:
     inp = make_attn_inputs(case.rows, case.heads, extra=case.extra, extra_width=case.extra_width,
                            swa_capacity=case.swa_capacity, extra_capacity=case.extra_capacity,
                            seed=0, device="cuda")
@@ -158,8 +146,8 @@ def run_case(case: Case, args) -> list[dict]:
         except Exception as e:  # noqa: BLE001  (report and go on: one failure must not hide the rest)
             records.append(dict(base, impl=impl, error=repr(e)[:300]))
             continue
-        records.append(dict(base, impl=impl, us=us, tflops=flops(inp) / us * 1e-6,
-                            gbps=bytes_moved(inp) / us * 1e-3, **diff))
+        records.append(dict(base, impl=impl, us=us, tflops=sparse_attn_flops(inp) / us * 1e-6,
+                            gbps=sparse_attn_bytes(inp) / us * 1e-3, **diff))
     anchor = next((r["us"] for r in records if r["impl"] == "flashmla" and "us" in r), None)
     for r in records:
         if anchor and "us" in r:

@@ -12,10 +12,11 @@ Ways (the same stack, cache and step tensors):
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
-Each request holds ``context`` tokens (pages allocated through the PageAllocator, cache pages
-filled with valid FP8 entries); the timed step decodes one token per request. Time per step is
-the median over CUDA-event-timed iterations (inputs copied in for manual-graph; the compiled
-function copies its own).
+Requests are admitted to a :class:`dsv4_compile.engine.Engine` and each holds ``context`` tokens
+(pages allocated through the engine's PageAllocator, cache pages filled with valid FP8 entries);
+the timed step, built by the engine and then rolled back so the context stays fixed, decodes one
+token per request. Time per step is the median over CUDA-event-timed iterations (inputs copied in
+for manual-graph; the compiled function copies its own).
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ import statistics
 
 import torch
 
-from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardMode, PageAllocator, StepInputs
+from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardMode, StepInputs
 from dsv4_compile.config import PAGE_SIZE
+from dsv4_compile.engine import Engine
 
 
 def parse_args():
@@ -61,28 +63,28 @@ def _fill_valid_pages(cache: DSV4Cache) -> None:
             buf[0] = buf[1]
 
 
-def _setup(config: DSV4AttnConfig, max_batch: int, context: int, device):
+def _setup(config: DSV4AttnConfig, max_batch: int, context: int, device) -> tuple[Engine, list[int]]:
+    """An engine with ``max_batch`` requests of ``context`` tokens each; returns it and their rows."""
     max_seq = -(-(context + 1) // PAGE_SIZE) * PAGE_SIZE
     chunk = 16 * PAGE_SIZE
     cache = DSV4Cache(config, max_requests=max_batch, max_seq_len=max_seq,
                       num_swa_pages=max_batch * (chunk // PAGE_SIZE + 2) + 1, device=device)
-    stack = DSV4AttentionStack(config, cache).reset_parameters(0).to(device)
-    alloc = PageAllocator(cache)
-    rows = [alloc.admit() for _ in range(max_batch)]
+    engine = Engine(DSV4AttentionStack(config, cache).reset_parameters(0).to(device))
+    rows = [engine.admit() for _ in range(max_batch)]
     for row in rows:
         for lo in range(0, context, chunk):  # chunks keep transient SWA pages bounded
-            alloc.extend(row, min(chunk, context - lo))
+            engine.allocator.extend(row, min(chunk, context - lo))
     _fill_valid_pages(cache)
-    return stack, alloc, rows
+    return engine, rows
 
 
-def _decode_step(alloc: PageAllocator, rows, hidden: int, device):
-    locs = torch.cat([alloc.extend(r, 1) for r in rows])
-    seq = [alloc.seq_len(r) for r in rows]
+def _decode_step(engine: Engine, rows) -> tuple[torch.Tensor, StepInputs]:
+    """``(x, step)``: one decode token per request of ``rows``, random ``x [B, hidden] bf16``."""
+    step = engine.build_step(ForwardMode.DECODE, {r: 1 for r in rows})
     for r in rows:  # keep the context fixed: the same step is replayed every iteration
-        alloc.truncate(r, alloc.seq_len(r) - 1)
-    step = StepInputs.make(ForwardMode.DECODE, rows, seq, [1] * len(rows), locs, device=device)
-    return torch.randn(len(rows), hidden, device=device, dtype=torch.bfloat16), step
+        engine.accept(r, 0, 1)
+    x = torch.randn(step.num_tokens, engine.stack.config.hidden_size, device=engine.device, dtype=torch.bfloat16)
+    return x, step
 
 
 def _time(fn, iters: int) -> float:
@@ -131,12 +133,13 @@ def run(args) -> list[dict]:
     results = []
     torch.set_grad_enabled(False)
     for context in (int(c) for c in args.context.split(",")):
-        stack, alloc, rows = _setup(config, max(batches), context, device)
+        engine, rows = _setup(config, max(batches), context, device)
+        stack = engine.stack
         compiled = {"compile": torch.compile(stack, fullgraph=True, dynamic=False),
                     "reduce-overhead": torch.compile(stack, mode="reduce-overhead", fullgraph=True,
                                                      dynamic=False)}
         for b in batches:
-            x, step = _decode_step(alloc, rows[:b], config.hidden_size, device)
+            x, step = _decode_step(engine, rows[:b])
             row = {"context": context, "batch": b}
             for way in ways:
                 if way == "eager":
@@ -150,7 +153,7 @@ def run(args) -> list[dict]:
             print(f"ctx {context:>7} b {b:>4}  " + "  ".join(
                 f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
             results.append(row)
-        del stack, alloc, compiled
+        del stack, engine, compiled
         torch._dynamo.reset()
         torch.cuda.empty_cache()
     return results

@@ -6,8 +6,10 @@ Usage:
     python -m dsv4_compile --compile            # the step under torch.compile(fullgraph=True)
 
 A few requests are admitted, prefilled (the last one in two chunks), then decoded together with
-the page allocator running between steps. Each step's outputs are compared with the cache-free
-dense oracle (SPEC §4.7); the summary reports steps, tokens/s and the worst relative error.
+the page allocator running between steps. Hidden states are seeded random rows; each step's
+outputs are compared with the cache-free dense oracle (docs/semantics.md §4.7) through
+:class:`~dsv4_compile.testing.oracle_recorder.OracleRecorder`. The summary reports steps, tokens/s
+and the worst relative error.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from .config import DSV4AttnConfig
 from .step import ForwardMode
-from .testing.oracle_checks import STACK_RTOL, make_engine
+from .testing.oracle_recorder import STACK_RTOL, make_engine
 
 
 def _progress(i: int, n: int, label: str) -> None:
@@ -53,8 +55,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     config = DSV4AttnConfig.from_name(args.preset).with_(index_topk=args.index_topk)
     max_seq = -(-(args.prefill + args.decode_steps) // 256) * 256
-    engine = make_engine(config, max_requests=args.requests, max_seq_len=max_seq, seed=args.seed,
-                         device=args.device)
+    engine, recorder = make_engine(config, max_requests=args.requests, max_seq_len=max_seq, seed=args.seed,
+                                   device=args.device, capture_layers=False)
     if args.compile:
         engine.forward = torch.compile(engine.stack, fullgraph=True)
     rows = [engine.admit() for _ in range(args.requests)]
@@ -69,15 +71,16 @@ def main(argv=None) -> int:
         for i, (mode, tokens_per_row) in enumerate(plan):
             _progress(i, len(plan), mode.value)
             start = time.perf_counter()
-            out = engine.run(mode, tokens_per_row)
+            out = recorder.run(mode, tokens_per_row)
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds += time.perf_counter() - start
             tokens += sum(tokens_per_row.values())
             if not args.no_check:
-                worst = max(worst, engine.oracle_error(out))
+                worst = max(worst, recorder.output_error(out))
         _progress(len(plan), len(plan), "done")
-    print(f"steps: {len(plan)} ({2} prefill, {args.decode_steps} decode)  tokens: {tokens}  "
+    prefill_steps = sum(mode is ForwardMode.EXTEND for mode, _ in plan)
+    print(f"steps: {len(plan)} ({prefill_steps} prefill, {args.decode_steps} decode)  tokens: {tokens}  "
           f"tokens/s: {tokens / seconds:.1f}")
     if args.no_check:
         return 0

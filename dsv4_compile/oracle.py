@@ -1,4 +1,4 @@
-"""Cache-free dense oracle of the DSV4 attention path (SPEC §4.7).
+"""Cache-free dense oracle of the DSV4 attention path (docs/semantics.md §4.7).
 
 Computes a layer's outputs from one request's *full* token history with no pages, slots, rings or
 metadata: windows are reshapes, the indexer scores every visible entry, attention is a dense
@@ -21,7 +21,7 @@ _QUERY_CHUNK = 256
 
 
 def dense_compress(comp: Compressor, x: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """Every complete window of ``x [L, hidden]``: ``[L // r, d]`` bf16 (SPEC §4.2)."""
+    """Every complete window of ``x [L, hidden]``: ``[L // r, d]`` bf16 (docs/semantics.md §4.2)."""
     r, d = comp.ratio, comp.d
     n = x.shape[0] // r
     kv, score = comp.project(x[: n * r])

@@ -19,7 +19,9 @@ Conventions (the same in every mode):
 
 from __future__ import annotations
 
+import bisect
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -146,3 +148,17 @@ def build_step_metadata(step: StepInputs, cache: "DSV4Cache", config: DSV4AttnCo
         meta.c128_out_loc, meta.c128_indices, meta.c128_lengths = ops.build_c128_metadata(
             page_table, seq_causal, step.out_cache_loc)
     return meta
+
+
+# -- bucket sizes ------------------------------------------------------------------------------
+# Request counts (decode) and token counts (verify / extend) a step is padded up to, so that a
+# compiled step records one CUDA graph per bucket rather than per size.
+
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``n`` (``n`` itself past the largest bucket)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n

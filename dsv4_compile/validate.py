@@ -1,7 +1,9 @@
 """Eager validation of a step at the public boundary, before anything is written.
 
-Runs only outside ``torch.compile`` (it reads values on the host); compiled steps rely on the
-same inputs having been validated by the engine, or on the ops' own shape/dtype checks.
+:meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>` calls it on
+every eager call (unless ``validate=False``). It reads values on the host, so a compiled step
+never runs it: there only the ops' own shape / dtype checks apply (at trace time), and the values
+in a step's tensors are not checked.
 """
 
 from __future__ import annotations

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs, layout
-from dsv4_compile.testing.oracle_checks import make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.support.cache_checks import snapshot
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 ops = torch.ops.dsv4
@@ -12,15 +13,11 @@ ops = torch.ops.dsv4
 
 @pytest.fixture
 def engine():
-    eng = make_engine(TINY, max_requests=2, max_seq_len=512)
+    eng, rec = make_engine(TINY, max_requests=2, max_seq_len=512, capture_layers=False)
     row = eng.admit()
     with torch.no_grad():
-        eng.run(ForwardMode.EXTEND, {row: 40})
+        rec.run(ForwardMode.EXTEND, {row: 40})
     return eng
-
-
-def _snapshot(engine):
-    return {k: v.clone() for k, v in engine.stack.cache.state_dict().items()}
 
 
 def _good_decode(engine):
@@ -55,20 +52,21 @@ def _good_decode(engine):
 ])
 def test_bad_step_is_rejected_and_cache_untouched(engine, corrupt, exc, match):
     x, step = corrupt(*_good_decode(engine))
-    before = _snapshot(engine)
+    before = snapshot(engine.stack.cache)
     with pytest.raises(exc, match=match):
         engine.stack(x, step)
-    after = _snapshot(engine)
+    after = snapshot(engine.stack.cache)
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def test_allocator_rejects_beyond_capacity_without_changes(engine):
     row = engine.allocator.active_rows[0]
-    before = _snapshot(engine)
+    before = snapshot(engine.stack.cache)
     with pytest.raises(ValueError, match="exceeds the cache's max_seq_len"):
         engine.allocator.extend(row, 1000)
     assert engine.allocator.seq_len(row) == 40
-    assert all(torch.equal(v, _snapshot(engine)[k]) for k, v in before.items())
+    after = snapshot(engine.stack.cache)
+    assert all(torch.equal(before[k], after[k]) for k in before)
 
 
 def _attn_args(t=2, h=4, k1=128, k2=64):

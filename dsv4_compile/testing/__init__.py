@@ -1,1 +1,5 @@
-"""Helpers shared by the tests and benchmarks: seeded builders and oracle checks."""
+"""What the tests, the benchmarks and the demo share, shipped with the package: seeded input
+factories and goldens (``attn_inputs``, ``cache_inputs``, ``compress_index``), the oracle recorder
+that feeds an engine and compares its steps with the cache-free oracle (``oracle_recorder``), and
+the benchmarks' case type, CUDA-graph timing and flop / byte counts (``bench``). It imports the
+runtime modules; they never import it. Test-only plumbing lives under ``tests/support``."""

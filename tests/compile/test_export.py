@@ -6,24 +6,32 @@ import torch
 from torch.export import Dim, ShapesCollection
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
-from dsv4_compile.testing.oracle_checks import make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 
 
 def _prefilled_engine():
-    eng = make_engine(TINY, max_requests=4, max_seq_len=512, capture_layers=False)
+    eng, rec = make_engine(TINY, max_requests=4, max_seq_len=512, capture_layers=False)
     rows = [eng.admit() for _ in range(4)]
-    eng.run(ForwardMode.EXTEND, {r: 120 + 17 * i for i, r in enumerate(rows)})
-    return eng, rows
+    rec.run(ForwardMode.EXTEND, {r: 120 + 17 * i for i, r in enumerate(rows)})
+    return eng, rec, rows
+
+
+def _decode_step(exported, rec, eager, rows):
+    """``(x, step)``: a decode step of ``rows`` built on ``exported`` with inputs drawn by ``rec``;
+    ``eager`` allocates the same positions."""
+    tokens = {r: 1 for r in rows}
+    step = exported.build_step(ForwardMode.DECODE, tokens)
+    eager.build_step(ForwardMode.DECODE, tokens)  # same allocation on both sides
+    return exported.pack_inputs(step, rec.draw(tokens).values()), step
 
 
 @torch.no_grad()
 def test_export_decode_step_with_dynamic_batch():
-    eager, rows = _prefilled_engine()
-    exported, _ = _prefilled_engine()
-    x, step = exported.build_step(ForwardMode.DECODE, {r: 1 for r in rows[:2]})
-    eager.build_step(ForwardMode.DECODE, {r: 1 for r in rows[:2]})  # same allocation on both sides
+    eager, _, rows = _prefilled_engine()
+    exported, rec, _ = _prefilled_engine()
+    x, step = _decode_step(exported, rec, eager, rows[:2])
     batch = Dim("batch", min=1, max=64)
     shapes = ShapesCollection()
     for t in (x, *step.tensors()):
@@ -40,8 +48,7 @@ def test_export_decode_step_with_dynamic_batch():
     got = module(x, step)
     assert torch.equal(got, want)
     for b in (3, 1, 4):  # other batch sizes through the same program
-        x, step = exported.build_step(ForwardMode.DECODE, {r: 1 for r in rows[:b]})
-        eager.build_step(ForwardMode.DECODE, {r: 1 for r in rows[:b]})
+        x, step = _decode_step(exported, rec, eager, rows[:b])
         assert torch.equal(module(x, step), eager.stack(x, step))
     exported_cache = {k[len("cache."):]: v for k, v in module.state_dict().items() if k.startswith("cache.")}
     for name, value in eager.stack.cache.state_dict().items():

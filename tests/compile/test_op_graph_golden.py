@@ -5,20 +5,20 @@ import expecttest
 import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
-from dsv4_compile.testing.compile_checks import GraphCapture, fresh_compile_state
-from dsv4_compile.testing.oracle_checks import make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.support.compile_checks import GraphCapture, fresh_compile_state
 
 
 class TestDecodeOpGraph(expecttest.TestCase):
     def test_two_layer_decode_op_sequence(self):
         cfg = DSV4AttnConfig.from_name("tiny").with_(compress_ratios=(4, 128), index_topk=64)
-        eng = make_engine(cfg, max_requests=2, max_seq_len=512, capture_layers=False)
+        eng, rec = make_engine(cfg, max_requests=2, max_seq_len=512, capture_layers=False)
         row = eng.admit()
         capture = GraphCapture("eager")
         with torch.no_grad(), fresh_compile_state():
-            eng.run(ForwardMode.EXTEND, {row: 20})
+            rec.run(ForwardMode.EXTEND, {row: 20})
             eng.forward = torch.compile(eng.stack, backend=capture, fullgraph=True)
-            eng.run(ForwardMode.DECODE, {row: 1})
+            rec.run(ForwardMode.DECODE, {row: 1})
         self.assertEqual(capture.frame_count, 1)
         self.assertExpectedInline("\n".join(capture.dsv4_ops()), """\
 dsv4.expand_queries

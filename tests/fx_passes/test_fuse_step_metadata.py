@@ -7,8 +7,10 @@ import torch
 from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
 from dsv4_compile.fx_passes import DSV4PassManager, FuseStepMetadataPass
-from dsv4_compile.testing.compile_checks import assert_caches_equal, fresh_compile_state
-from dsv4_compile.testing.oracle_checks import make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.support.cache_checks import assert_caches_equal
+from tests.support.compile_checks import fresh_compile_state
+from tests.support.oracle_asserts import assert_outputs_match
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 
@@ -25,17 +27,17 @@ def _dsv4_lines(graph: str) -> str:
 
 def _twin_runs(config, mode, tokens, fuse):
     """The same step compiled with and without the pass; returns both engines, outputs and the pass."""
-    engines = [make_engine(config, max_requests=3, max_seq_len=512, capture_layers=False) for _ in range(2)]
+    pairs = [make_engine(config, max_requests=3, max_seq_len=512, capture_layers=False) for _ in range(2)]
     fuse_pass = FuseStepMetadataPass()
     outs = []
     with torch.no_grad(), fresh_compile_state():
-        for eng, with_pass in zip(engines, (False, True)):
+        for (eng, rec), with_pass in zip(pairs, (False, True)):
             rows = [eng.admit(), eng.admit()]
-            eng.run(ForwardMode.EXTEND, {rows[0]: 130, rows[1]: 70})
+            rec.run(ForwardMode.EXTEND, {rows[0]: 130, rows[1]: 70})
             options = {"post_grad_custom_post_pass": DSV4PassManager([fuse_pass])} if with_pass and fuse else {}
             eng.forward = torch.compile(eng.stack, fullgraph=True, options=options)
-            outs.append(eng.run(mode, {r: tokens for r in rows}))
-    return engines, outs, fuse_pass
+            outs.append(rec.run(mode, {r: tokens for r in rows}))
+    return [eng for eng, _ in pairs], outs, fuse_pass
 
 
 class TestFuseStepMetadata(expecttest.TestCase):
@@ -73,13 +75,12 @@ dsv4.sparse_attn.default""")
         assert_caches_equal(plain.stack.cache, fused.stack.cache)
 
     def test_compile_step_installs_the_passes(self):
-        eng = make_engine(TINY, max_requests=2, max_seq_len=512, capture_layers=False)
+        eng, rec = make_engine(TINY, max_requests=2, max_seq_len=512, capture_layers=False)
         row = eng.admit()
         with torch.no_grad(), fresh_compile_state():
-            eng.run(ForwardMode.EXTEND, {row: 50})
+            rec.run(ForwardMode.EXTEND, {row: 50})
             eng.forward = compile_step(eng.stack)
-            from dsv4_compile.testing.oracle_checks import assert_outputs_match
-            assert_outputs_match(eng, eng.run(ForwardMode.DECODE, {row: 1}))
+            assert_outputs_match(rec, rec.run(ForwardMode.DECODE, {row: 1}))
 
     def test_uuid_tracks_the_pass_list(self):
         self.assertEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass()]).uuid())

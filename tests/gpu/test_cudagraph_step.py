@@ -1,4 +1,4 @@
-"""Whole steps as CUDA graphs under torch.compile — no hand-written graph bookkeeping (issue 6).
+"""Whole steps as CUDA graphs under torch.compile — no hand-written graph bookkeeping.
 
 Two compiled variants of the same stack run a long serving scenario beside an eager twin:
 
@@ -22,8 +22,10 @@ from torch._dynamo.utils import counters
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
-from dsv4_compile.testing.compile_checks import assert_caches_equal, fresh_compile_state, graph_breaks
-from dsv4_compile.testing.oracle_checks import assert_outputs_match, make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.support.cache_checks import assert_caches_equal, assert_idle_step_is_inert
+from tests.support.compile_checks import fresh_compile_state, graph_breaks
+from tests.support.oracle_asserts import assert_outputs_match
 
 pytestmark = pytest.mark.gpu
 M = ForwardMode
@@ -83,7 +85,10 @@ def _no_sync_after(fn, first_checked_call: int):
     return step
 
 
-def _run(eager, compiled, check_exact: bool):
+def _run(eager_pair, compiled_pair, check_exact: bool):
+    """The scenario on an eager and a compiled ``(engine, recorder)`` pair; returns request name ->
+    (eager row, compiled row)."""
+    (eager, eager_rec), (compiled, compiled_rec) = eager_pair, compiled_pair
     names = {}
     for n, (mode, tokens, accepted) in enumerate(_scenario()):
         for name in tokens:
@@ -93,18 +98,18 @@ def _run(eager, compiled, check_exact: bool):
             eager.release(names["b"][0]), compiled.release(names["b"][1])
             del names["b"]
         if mode is M.IDLE:
-            outs = [e.idle(4) for e in (eager, compiled)]
-            assert torch.isfinite(outs[1]).all()
+            for e in (eager, compiled):
+                assert_idle_step_is_inert(e, 4)
             continue
-        want = eager.run(mode, {names[k][0]: v for k, v in tokens.items()})
-        got = compiled.run(mode, {names[k][1]: v for k, v in tokens.items()})
+        want = eager_rec.run(mode, {names[k][0]: v for k, v in tokens.items()})
+        got = compiled_rec.run(mode, {names[k][1]: v for k, v in tokens.items()})
         if check_exact:
             for k in tokens:
                 assert torch.equal(want[names[k][0]], got[names[k][1]]), \
                     f"step {n} ({mode.value}) request {k} differs from eager"
             assert_caches_equal(eager.stack.cache, compiled.stack.cache)
         else:
-            assert_outputs_match(compiled, got)
+            assert_outputs_match(compiled_rec, got)
         if accepted:
             for k, a in accepted.items():
                 eager.accept(names[k][0], a, tokens[k]), compiled.accept(names[k][1], a, tokens[k])
@@ -114,11 +119,12 @@ def _run(eager, compiled, check_exact: bool):
 @pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False), ("compile_step", False)])
 @torch.no_grad()
 def test_long_run_as_cuda_graphs(backend, exact):
-    eager = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
+    eager, eager_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
     eager.bucketed = True
-    compiled = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
+    compiled, compiled_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE,
+                                         capture_layers=False)
     compiled.bucketed = True
-    with fresh_compile_state(), _count_recordings() as rec, \
+    with fresh_compile_state(), _count_recordings() as recordings, \
             torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
         if backend == "cudagraphs":
             compiled.forward = torch.compile(compiled.stack, backend="cudagraphs", fullgraph=True,
@@ -128,14 +134,14 @@ def test_long_run_as_cuda_graphs(backend, exact):
         else:
             compiled.forward = torch.compile(compiled.stack, mode="reduce-overhead", fullgraph=True)
         compiled.forward = _no_sync_after(compiled.forward, first_checked_call=36)
-        names = _run(eager, compiled, exact)
+        names = _run((eager, eager_rec), (compiled, compiled_rec), exact)
         assert graph_breaks() == 0
         assert counters["inductor"]["cudagraph_skips"] == 0
-        assert rec.count >= 4, f"only {rec.count} CUDA graphs recorded"
-        assert rec.count <= 16, f"{rec.count} CUDA graphs recorded: buckets should bound this"
+        assert recordings.count >= 4, f"only {recordings.count} CUDA graphs recorded"
+        assert recordings.count <= 16, f"{recordings.count} CUDA graphs recorded: buckets should bound this"
     # the compiled engine also agrees with the cache-free oracle at the end
-    out = compiled.run(M.DECODE, {names["a"][1]: 1, names["c"][1]: 1})
-    assert_outputs_match(compiled, out)
+    out = compiled_rec.run(M.DECODE, {names["a"][1]: 1, names["c"][1]: 1})
+    assert_outputs_match(compiled_rec, out)
 
 
 @torch.no_grad()
@@ -143,35 +149,35 @@ def test_replay_switches_indexer_from_all_visible_to_topk():
     """A graph recorded while every row sees <= top-k c4 entries (selection = all, unscored) must,
     when replayed after the rows grow past top-k, rank entries (local-inference-lab/vllm#429)."""
     cfg = CFG.with_(compress_ratios=(4,))
-    eng = make_engine(cfg, max_requests=2, max_seq_len=512, device=DEVICE, capture_layers=False)
+    eng, rec = make_engine(cfg, max_requests=2, max_seq_len=512, device=DEVICE, capture_layers=False)
     row = eng.admit()
-    eng.run(M.EXTEND, {row: 240})  # 60 visible entries < 64
-    with fresh_compile_state(), _count_recordings() as rec:
+    rec.run(M.EXTEND, {row: 240})  # 60 visible entries < 64
+    with fresh_compile_state(), _count_recordings() as recordings:
         compiled = torch.compile(eng.stack, mode="reduce-overhead", fullgraph=True)
         eng.forward = compiled
         for _ in range(3):  # warm-up, record, replay: all below top-k
-            eng.run(M.DECODE, {row: 1})
+            rec.run(M.DECODE, {row: 1})
         eng.forward = eng.stack
-        eng.run(M.EXTEND, {row: 40})  # grow eagerly to 283: 70 visible > 64
+        rec.run(M.EXTEND, {row: 40})  # grow eagerly to 283: 70 visible > 64
         eng.forward = compiled
-        recorded = rec.count
+        recorded = recordings.count
         for _ in range(3):  # the same graph (same shapes) replayed, now above top-k
-            assert_outputs_match(eng, eng.run(M.DECODE, {row: 1}))
-        assert rec.count == recorded, "the decode graph was re-recorded instead of replayed"
+            assert_outputs_match(rec, rec.run(M.DECODE, {row: 1}))
+        assert recordings.count == recorded, "the decode graph was re-recorded instead of replayed"
         assert counters["inductor"]["cudagraph_skips"] == 0
 
 
 @torch.no_grad()
 def test_draft_extend_on_the_swa_only_draft_stack():
-    eng = make_engine(CFG.with_(compress_ratios=(0, 0)), max_requests=8, max_seq_len=512, device=DEVICE,
-                      capture_layers=False)
+    eng, rec = make_engine(CFG.with_(compress_ratios=(0, 0)), max_requests=8, max_seq_len=512, device=DEVICE,
+                           capture_layers=False)
     eng.bucketed = True
     rows = [eng.admit() for _ in range(8)]
-    eng.run(M.EXTEND, {r: 100 + 20 * i for i, r in enumerate(rows)})
+    rec.run(M.EXTEND, {r: 100 + 20 * i for i, r in enumerate(rows)})
     with fresh_compile_state():
         eng.forward = torch.compile(eng.stack, mode="reduce-overhead", fullgraph=True)
         for _ in range(4):
-            assert_outputs_match(eng, eng.run(M.DRAFT_EXTEND, {r: 3 for r in rows}))
+            assert_outputs_match(rec, rec.run(M.DRAFT_EXTEND, {r: 3 for r in rows}))
         assert counters["inductor"]["cudagraph_skips"] == 0 and graph_breaks() == 0
 
 
@@ -179,26 +185,25 @@ def test_draft_extend_on_the_swa_only_draft_stack():
 def test_sizes_up_to_256_requests_and_1024_verify_tokens_with_bounded_graphs():
     """Decode batches 1..256 and verify steps up to 1024 tokens, padded to buckets: the number of
     recorded graphs is the number of buckets touched, not of sizes. Prints graphs and memory."""
-    eng = make_engine(CFG, max_requests=256, max_seq_len=256, device=DEVICE, capture_layers=False)
+    eng, rec = make_engine(CFG, max_requests=256, max_seq_len=256, device=DEVICE, capture_layers=False)
     eng.bucketed = True
     rows = [eng.admit() for _ in range(256)]
-    eng.run(M.EXTEND, {r: 5 for r in rows})
-    with fresh_compile_state(), _count_recordings() as rec:
+    rec.run(M.EXTEND, {r: 5 for r in rows})
+    with fresh_compile_state(), _count_recordings() as recordings:
         eng.forward = torch.compile(eng.stack, mode="reduce-overhead", fullgraph=True)
         decode_sizes = list(range(1, 33)) + [40, 64, 100, 128, 200, 256]
         for b in decode_sizes:
-            eng.run(M.DECODE, {r: 1 for r in rows[:b]})
-        decode_graphs = rec.count
+            rec.run(M.DECODE, {r: 1 for r in rows[:b]})
+        decode_graphs = recordings.count
         verify_sizes = [(64, 2), (100, 3), (200, 4), (256, 4)]  # up to 1024 tokens
         for b, d in verify_sizes:
-            eng.run(M.TARGET_VERIFY, {r: d for r in rows[:b]})
+            rec.run(M.TARGET_VERIFY, {r: d for r in rows[:b]})
             for r in rows[:b]:
                 eng.accept(r, 1, d)
         assert counters["inductor"]["cudagraph_skips"] == 0 and graph_breaks() == 0
         assert decode_graphs <= 15, f"{decode_graphs} decode graphs for {len(decode_sizes)} sizes"
-        assert rec.count - decode_graphs <= len(verify_sizes)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-        mem = torch.cuda.max_memory_allocated() / 2**20
-        print(f"graphs recorded: {decode_graphs} decode + {rec.count - decode_graphs} verify; "
-              f"max memory allocated {mem:.0f} MiB")
+        assert recordings.count - decode_graphs <= len(verify_sizes)
+    torch.cuda.synchronize()
+    mem = torch.cuda.max_memory_allocated() / 2**20
+    print(f"graphs recorded: {decode_graphs} decode + {recordings.count - decode_graphs} verify; "
+          f"max memory allocated {mem:.0f} MiB")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode, build_step_metadata, layout
-from dsv4_compile.testing.oracle_checks import make_engine
+from dsv4_compile.testing.oracle_recorder import make_engine
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 ops = torch.ops.dsv4
@@ -17,14 +17,14 @@ CHECKS_NO_SCHEMA = CHECKS[1:]  # fp8 tensors: the schema check's comparison has 
 def state():
     """A cache with two requests (300 and 40 tokens) and the metadata of a decode and an extend step."""
     torch.manual_seed(0)
-    eng = make_engine(TINY, max_requests=3, max_seq_len=512, capture_layers=False)
+    eng, rec = make_engine(TINY, max_requests=3, max_seq_len=512, capture_layers=False)
     rows = [eng.admit(), eng.admit()]
     with torch.no_grad():
-        eng.run(ForwardMode.EXTEND, {rows[0]: 300, rows[1]: 40})
+        rec.run(ForwardMode.EXTEND, {rows[0]: 300, rows[1]: 40})
     cache = eng.stack.cache
     steps = {
-        "decode": eng.build_step(ForwardMode.DECODE, {rows[0]: 1, rows[1]: 1})[1],
-        "extend_padded": eng.build_step(ForwardMode.EXTEND, {rows[0]: 3, rows[1]: 5}, pad_tokens=12)[1],
+        "decode": eng.build_step(ForwardMode.DECODE, {rows[0]: 1, rows[1]: 1}),
+        "extend_padded": eng.build_step(ForwardMode.EXTEND, {rows[0]: 3, rows[1]: 5}, pad_tokens=12),
     }
     metas = {k: build_step_metadata(s, cache, TINY) for k, s in steps.items()}
     return eng, cache, steps, metas

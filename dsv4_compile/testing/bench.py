@@ -1,0 +1,93 @@
+"""What the benchmarks share: the case type, CUDA-graph timing, and the flop / byte counts their
+throughput figures use.
+
+Timing (:func:`graph_us`): ``fn`` runs twice off the capture stream (compile / warm up), then
+``inner`` calls are captured in one ``torch.cuda.CUDAGraph``; the graph is replayed ``iters``
+times, each replay timed with CUDA events, and the median replay time divided by ``inner`` is
+reported, so graph-launch overhead is amortised as inside a full-step graph.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import layout
+from ..config import HEAD_DIM
+from ..reference.compressor import window_slots
+from .attn_inputs import AttnInputs
+
+
+@dataclass
+class Case:
+    """One benchmark row. ``kernel`` / ``reference`` take no arguments (inputs are closed over)
+    and must be CUDA-graph capturable; ``bytes`` is the HBM traffic the GB/s figure uses."""
+
+    name: str
+    params: dict
+    kernel: Callable[[], object]
+    reference: Callable[[], object] | None
+    bytes: int
+    family: str = ""
+    notes: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[[], object] | None = None
+             ) -> float:
+    """Median µs per call of ``fn`` (preceded by ``before`` if given) over CUDA-graph replays."""
+    def calls():
+        if before is not None:
+            before()
+        fn()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up off the capture stream, as torch.cuda.graph expects
+        for _ in range(2):
+            calls()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            calls()
+    graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    del graph
+    return 1e3 * ms / inner
+
+
+def sparse_attn_flops(inp: AttnInputs) -> float:
+    """QK and PV of ``dsv4::sparse_attn``, both over the full 512 dims: ``2 * 2 * H * 512`` per
+    (row, entry); every row assumed full length."""
+    rows, heads, _ = inp.q.shape
+    return 4.0 * heads * HEAD_DIM * inp.entries_per_row() * rows
+
+
+def sparse_attn_bytes(inp: AttnInputs) -> float:
+    """HBM traffic of ``dsv4::sparse_attn``: gathered cache entries (584 B each, counted once per
+    row even when rows share entries) plus q read and out written (bf16)."""
+    rows, heads, _ = inp.q.shape
+    return rows * (layout.TOKEN_BYTES * inp.entries_per_row() + 2 * 2 * heads * HEAD_DIM)
+
+
+def compress_kv_bytes(args: dict[str, Any]) -> int:
+    """HBM traffic of ``dsv4::compress_kv(**args)``: per row, kv + score read (2 x 4 Wc B), the
+    ring written (8 Wc B) and the entry (2 d B); each window-completing row also reads its ring
+    slots (S x 2 x 4 d B at most)."""
+    ratio, d = args["ratio"], args["norm_weight"].shape[0]
+    rows, wc = args["kv"].shape
+    windows = int((args["seq_lens_causal"] % ratio == 0).sum())
+    return rows * (16 * wc + 2 * d + 16) + windows * window_slots(ratio) * 8 * d
