@@ -75,9 +75,9 @@ def _flashmla(*args) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _sparse_attn_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
     """The CUDA kernel: our kernels, or FlashMLA when ``DSV4_ATTN_IMPL=flashmla``. The variable is
-    read on each call that reaches this function: every eager call, and the trace of a compiled
-    graph. A captured CUDA graph replays the kernels it was recorded with, whatever the variable
-    says at replay."""
+    read on every call of the op, eager or from a compiled graph; a captured CUDA graph (a capture
+    by hand or torch.compile's ``mode="reduce-overhead"``) replays the kernels it recorded, whatever
+    the variable says at replay."""
     if os.environ.get(IMPL_ENV) == "flashmla":
         _check_flashmla(*args)
         return _flashmla(*args)
