@@ -57,12 +57,16 @@ def _check_sparse_attn(*args) -> None:
         _check_kv_set("extra", extra, q.shape[0])
 
 
+def _check_flashmla_heads(q: torch.Tensor) -> None:
+    if q.shape[1] > FLASHMLA_MAX_HEADS:
+        raise ValueError(f"dsv4.sparse_attn_flashmla: q has {q.shape[1]} heads; FlashMLA supports at most "
+                         f"{FLASHMLA_MAX_HEADS}")
+
+
 def _check_flashmla(*args) -> None:
     """``_check_sparse_attn``, and a head count FlashMLA supports (in the fake too: fails at trace time)."""
     _check_sparse_attn(*args)
-    if args[0].shape[1] > FLASHMLA_MAX_HEADS:
-        raise ValueError(f"dsv4.sparse_attn_flashmla: q has {args[0].shape[1]} heads; FlashMLA supports "
-                         f"at most {FLASHMLA_MAX_HEADS}")
+    _check_flashmla_heads(args[0])
 
 
 def _attn_fake(q: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +83,7 @@ def _sparse_attn_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
     by hand or torch.compile's ``mode="reduce-overhead"``) replays the kernels it recorded, whatever
     the variable says at replay."""
     if os.environ.get(IMPL_ENV) == "flashmla":
-        _check_flashmla(*args)
+        _check_flashmla_heads(args[0])
         return _flashmla(*args)
     return dispatch.launch_sparse_attn(*from_op_args(args))
 

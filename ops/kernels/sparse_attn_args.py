@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .host import unit_stride
-from .sparse_attn_combine import Partials
+from .sparse_attn_combine import Partials, split_count
 
 if TYPE_CHECKING:
     from ...attention import KVSet
@@ -56,7 +56,6 @@ def row_kernel_args(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink:
     the partial buffers (never written)."""
     lists, consts = list_args(swa, extra)
     part_out, part_lse = (lse, lse) if partials is None else (partials.out, partials.lse)
-    splits = 1 if partials is None else partials.splits
-    args = (q, q.stride(0), q.stride(1), *lists, attn_sink, out, lse, part_out, part_lse, q.shape[1], splits,
-            softmax_scale)
+    args = (q, q.stride(0), q.stride(1), *lists, attn_sink, out, lse, part_out, part_lse, q.shape[1],
+            split_count(partials), softmax_scale)
     return args, dict(consts, SPLIT=partials is not None)

@@ -39,6 +39,11 @@ class Partials:
         return self.out.shape[1]
 
 
+def split_count(partials: Partials | None) -> int:
+    """Splits of a launch that writes ``partials`` (None: one split, no partials)."""
+    return 1 if partials is None else partials.splits
+
+
 def allocate_partials(num_rows: int, splits: int, num_heads: int, device: torch.device) -> Partials | None:
     """Uninitialised partial buffers for ``splits`` splits; None for one split (no combine)."""
     if splits <= 1:
@@ -92,7 +97,7 @@ def launch_combine(partials: Partials, attn_sink: torch.Tensor, out: torch.Tenso
     """Merge ``partials`` into ``out [T, H, 512] bf16`` and ``lse [T, H] fp32``. ``pdl``: launched
     with programmatic dependent launch (the main grid let it start early)."""
     T, H, _ = out.shape
-    splits = partials.splits
+    splits = split_count(partials)
     splits_pow2 = triton.next_power_of_2(splits)
     cols = min(HEAD_DIM, max(_MIN_COLS, _COMBINE_TILE_ELEMS // splits_pow2))
     _combine_kernel[(T * H, HEAD_DIM // cols)](partials.out, partials.lse, attn_sink, out, lse, H, splits,

@@ -32,7 +32,7 @@ from .host import INTERPRET
 from .primitives import (DIM, LOG2E, NOPE, ROPE, dequant_nope, finish_rows, gather_entries, load_rope,
                          row_key_counts, scale_word, softmax_rescale)
 from .sparse_attn_args import row_kernel_args
-from .sparse_attn_combine import Partials, finish_partial_rows, partial_index
+from .sparse_attn_combine import Partials, finish_partial_rows, partial_index, split_count
 
 if TYPE_CHECKING:
     from ...attention import KVSet
@@ -158,7 +158,6 @@ def launch_fused(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: to
     splits) the partial buffers. Inputs as normalised by ``sparse_attn_args.normalize``."""
     args, consts = row_kernel_args(q, swa, extra, attn_sink, softmax_scale, out, lse, partials)
     head_blocks = triton.cdiv(q.shape[1], head_block)
-    splits = 1 if partials is None else partials.splits
-    _sparse_attn_fused[(q.shape[0] * head_blocks, splits)](
+    _sparse_attn_fused[(q.shape[0] * head_blocks, split_count(partials))](
         *args, **consts, HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n,
         DOT_F32=INTERPRET, PDL=pdl, num_warps=8, num_stages=num_stages)

@@ -43,7 +43,7 @@ import triton.language as tl
 from .host import INTERPRET
 from .primitives import DATA_BYTES, DIM, LN2, LOG2E, NOPE, NUM_NOPE_TILES, ROPE, SCALE_BYTES, TILE
 from .sparse_attn_args import key_width, row_kernel_args
-from .sparse_attn_combine import Partials
+from .sparse_attn_combine import Partials, split_count
 
 if TYPE_CHECKING:
     from ...attention import KVSet
@@ -315,7 +315,7 @@ def launch_warp_specialized(q: torch.Tensor, swa: KVSet, extra: KVSet | None, at
     by ``sparse_attn_args.normalize``."""
     args, consts = row_kernel_args(q, swa, extra, attn_sink, softmax_scale, out, lse, partials)
     head_blocks = triton.cdiv(q.shape[1], HEAD_BLOCK)
-    splits = 1 if partials is None else partials.splits
+    splits = split_count(partials)
     prefetch = config.prefetch
     if prefetch is None:
         prefetch = key_width(swa, extra) >= _PREFETCH_MIN_KEYS * splits
