@@ -31,6 +31,7 @@ G / CB = rows / channels per pool program.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -166,9 +167,17 @@ def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_p
     tl.store(dst + WC + c, sc, mask=keep)
 
 
-def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]:
-    """(rows G, channels CB, slots per online-softmax block SB, warps) of a pool program, by
-    compressor and launch size (decode / verify batches up to ``_DECODE_MAX_ROWS`` rows, else
+class PoolShape(NamedTuple):
+    """Tuning of a pool program."""
+
+    rows: int  # G, rows walked
+    channels: int  # CB
+    slot_block: int  # SB, slots per online-softmax block
+    warps: int
+
+
+def _pool_config(ratio: int, d: int, num_rows: int) -> PoolShape:
+    """The :class:`PoolShape` of a pool program, by compressor and launch size (decode / verify batches up to ``_DECODE_MAX_ROWS`` rows, else
     prefill). H200, b = 256 decode / T = 4096 prefill, µs for the whole op (bench_ops.py):
 
     * c4 (8 slots, one block): decode one row per program, each of two programs half of the
@@ -185,11 +194,11 @@ def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]
     slots = window_slots(ratio)
     decode = num_rows <= _DECODE_MAX_ROWS
     if INTERPRET:
-        return (1 if ratio == 4 else 8), d // 2, min(slots, 16), 1
+        return PoolShape(1 if ratio == 4 else 8, d // 2, min(slots, 16), 1)
     if ratio == 4:
         rows, cb = (1, d // 2) if decode else (2, d)
-        return rows, cb, slots, max(1, cb // 128)
-    return (16, 16, slots, 4) if decode else (128, 16, 16, 1)
+        return PoolShape(rows, cb, slots, max(1, cb // 128))
+    return PoolShape(16, 16, slots, 4) if decode else PoolShape(128, 16, 16, 1)
 
 
 def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
@@ -228,11 +237,11 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     slots = window_slots(ratio)
     strides = (kv.stride(0), score.stride(0), ape.stride(0), state.stride(0))
     pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
-    rows_per_prog, cb, sb, pool_warps = _pool_config(ratio, d, num_rows)
-    _pool_kernel[(triton.cdiv(num_rows, rows_per_prog), d // cb)](
+    pool = _pool_config(ratio, d, num_rows)
+    _pool_kernel[(triton.cdiv(num_rows, pool.rows), d // pool.channels)](
         kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, *strides, D=d,
-        WC=wc, RATIO=ratio, RING=ring, S=slots, SB=sb, CB=cb, G=rows_per_prog, PDL=pdl,
-        num_warps=pool_warps, launch_pdl=pdl)
+        WC=wc, RATIO=ratio, RING=ring, S=slots, SB=pool.slot_block, CB=pool.channels, G=pool.rows, PDL=pdl,
+        num_warps=pool.warps, launch_pdl=pdl)
     _entry_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
                                norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
                                RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),

@@ -34,12 +34,16 @@ def _inputs(device, extra, extra_width, heads, seed=0):
                             seed=seed, device=device)
 
 
+def _fused(inp, splits=None, block_n=None):
+    """The fused path, with a forced split count and keys per block (None: the dispatch's)."""
+    return dispatch.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, fused=FusedConfig(block_n))
+
+
 @pytest.mark.parametrize("case, splits", [("c4", 1), ("c4", 3), ("c128", 1), ("c128", 3), ("swa_only", 2)])
 def test_matches_reference(device, case, splits):
     extra, width = CASES[case]
     inp = _inputs(device, extra, width, heads=8 if splits == 1 else 16)
-    got = dispatch.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits,
-                                      fused=FusedConfig(block_n=32 if splits == 1 else 64))
+    got = _fused(inp, splits, 32 if splits == 1 else 64)
     if device == "cuda":
         torch.cuda.synchronize()
     eager = ref.sparse_attn(*inp.args())
@@ -53,13 +57,11 @@ def test_matches_reference(device, case, splits):
 def test_splits_agree(device):
     """Split counts (including more splits than key blocks) give the same result."""
     inp = _inputs(device, "c4", 128, heads=8, seed=1)
-    base_out, base_lse = dispatch.launch_sparse_attn(*inp.args(), path="fused", num_splits=1, fused=FusedConfig(block_n=64))
+    base_out, base_lse = _fused(inp, 1, 64)
     # 7 > 4 key blocks (one combine program per row and head); 40 splits: the combine splits
     # each row's 512 columns over 8 programs to bound its [splits, columns] tile
     # (all results kept alive: a freed output's memory must not be reused by the next launch)
-    results = [dispatch.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits,
-                                           fused=FusedConfig(block_n=64))
-               for splits in (40, 7)]
+    results = [_fused(inp, splits, 64) for splits in (40, 7)]
     for out, lse in results:
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
@@ -73,7 +75,7 @@ def test_few_rows_tiling(device, rows, extra_width, tiling):
     inp = make_attn_inputs(rows, 64, extra="c4", swa_width=64, extra_width=extra_width, holes=0.2,
                            ragged=True, special_sink=True, seed=2, device=device)
     assert dispatch.choose_tiling(rows, 64, inp.entries_per_row(), num_sms(inp.q.device)) == tiling
-    got = dispatch.launch_sparse_attn(*inp.args(), path="fused")
+    got = _fused(inp)
     if device == "cuda":
         torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"rows={rows}")
@@ -102,8 +104,7 @@ def test_two_pass_agrees_with_fused(device):
     """Both paths agree to bf16 rounding, row by row; int64 index lists give the two-pass result
     bit for bit."""
     inp = _inputs(device, "c4", 128, heads=16, seed=4)
-    fused_out, fused_lse = dispatch.launch_sparse_attn(*inp.args(), num_splits=1, fused=FusedConfig(block_n=64),
-                                                       path="fused")
+    fused_out, fused_lse = _fused(inp, 1, 64)
     out, lse = dispatch.launch_sparse_attn(*inp.args(), path="two_pass")
     torch.testing.assert_close(lse, fused_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.float(), fused_out.float(), rtol=2 ** -7, atol=2 ** -7)
@@ -122,8 +123,8 @@ PATH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("rows, heads, width, with_ws, without_ws", PATH_CASES)
-def test_choose_path(rows, heads, width, with_ws, without_ws):
+@pytest.mark.parametrize("rows, heads, width, where_available, elsewhere", PATH_CASES)
+def test_choose_path(rows, heads, width, where_available, elsewhere):
     head_block, _ = dispatch.choose_tiling(rows, heads, width, 132)
-    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=True) == with_ws
-    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=False) == without_ws
+    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=True) == where_available
+    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=False) == elsewhere
