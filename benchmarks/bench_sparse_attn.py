@@ -35,10 +35,11 @@ import torch
 
 import dsv4_compile  # noqa: F401  (registers the dsv4:: ops)
 from dsv4_compile.config import HEAD_DIM
-from dsv4_compile.ops.kernels import flashmla
-from dsv4_compile.ops.kernels import sparse_attn as K
+from dsv4_compile.attention import sparse_attn
+from dsv4_compile.ops.kernels import flashmla, sparse_attn_combine, sparse_attn_fused, sparse_attn_warp_specialized
+from dsv4_compile.ops.kernels import sparse_attn_dispatch as dispatch
 from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
-from dsv4_compile.ops.kernels import sparse_attn_ws as ws
+from dsv4_compile.ops.kernels.host import num_sms as device_sms
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import AttnInputs, make_attn_inputs
 from dsv4_compile.testing.bench import graph_us, sparse_attn_bytes, sparse_attn_flops
@@ -71,15 +72,15 @@ def flashmla_raw(inp: AttnInputs):
     """The raw FlashMLA call on pre-sanitised inputs with a scheduler metadata reused across calls."""
     fm = flashmla.flash_mla_module()
     sched = fm.get_mla_metadata()[0]
-    cap = inp.swa_cache.shape[0] * inp.swa_page_size
-    idx = torch.where(inp.swa_indices < cap, inp.swa_indices, -1).int().unsqueeze(1)
+    cap = inp.swa.capacity
+    idx = torch.where(inp.swa.indices < cap, inp.swa.indices, -1).int().unsqueeze(1)
     kw = dict(softmax_scale=inp.softmax_scale, is_fp8_kvcache=True, indices=idx, attn_sink=inp.attn_sink,
-              topk_length=inp.swa_lengths.int(), use_legacy=True, kv_format="V4")
-    if inp.extra_cache is not None:
-        kw.update(extra_k_cache=flashmla.cache_view(inp.extra_cache, inp.extra_page_size),
-                  extra_indices_in_kvcache=inp.extra_indices.int().unsqueeze(1),
-                  extra_topk_length=inp.extra_lengths.int())
-    q, cache = inp.q.unsqueeze(1), flashmla.cache_view(inp.swa_cache, inp.swa_page_size)
+              topk_length=inp.swa.lengths.int(), use_legacy=True, kv_format="V4")
+    if inp.extra is not None:
+        kw.update(extra_k_cache=flashmla.cache_view(inp.extra.cache, inp.extra.page_size),
+                  extra_indices_in_kvcache=inp.extra.indices.int().unsqueeze(1),
+                  extra_topk_length=inp.extra.lengths.int())
+    q, cache = inp.q.unsqueeze(1), flashmla.cache_view(inp.swa.cache, inp.swa.page_size)
     return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, HEAD_DIM, sched, None, **kw)
 
 
@@ -95,23 +96,24 @@ def sweep_configs(inp: AttnInputs):
     around the shape-based choice; two-pass path block sizes, warps and stages; warp-specialised
     ring shapes and L2 prefetch (sm_90 only)."""
     rows, heads, _ = inp.q.shape
-    num_sms = K._num_sms(inp.q.device)
-    head_block, _ = K.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
+    num_sms = device_sms(inp.q.device)
+    head_block, _ = dispatch.choose_tiling(rows, heads, inp.entries_per_row(), num_sms)
     head_blocks = -(-heads // head_block)
     for block_n, stages in SWEEP:
-        auto = K.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, num_sms)
+        auto = dispatch.choose_splits(rows, head_blocks, inp.entries_per_row(), block_n, num_sms)
         for splits in sorted({auto, max(1, auto // 2), 2 * auto} if auto > 1 else {1}):
-            kw = dict(block_n=block_n, num_stages=stages, num_splits=splits, path="fused")
+            kw = dict(fused=sparse_attn_fused.FusedConfig(block_n, stages), num_splits=splits, path="fused")
             yield f"bn{block_n}_st{stages}_s{splits}", kw
     for block_n, warps, stages in TWO_PASS_SWEEP:
-        config = dict(block_n=block_n, num_warps=warps, num_stages=stages)
+        config = two_pass.TwoPassConfig(block_n=block_n, num_warps=warps, num_stages=stages)
         yield (f"2p_bn{block_n}_w{warps[0]}{warps[1]}_st{stages[0]}{stages[1]}",
-               dict(path="two_pass", two_pass_config=config))
-    if ws.available(inp.q.device):
+               dict(path="two_pass", two_pass=config))
+    if sparse_attn_warp_specialized.available(inp.q.device):
         for block_n, stages, prefetch in WS_SWEEP:
             label = "" if prefetch is None else ("_pf" if prefetch else "_nopf")
-            yield f"ws_bn{block_n}_st{stages}{label}", dict(
-                path="warp_specialized", ws_config=dict(block_n=block_n, stages=stages, prefetch=prefetch))
+            config = sparse_attn_warp_specialized.WarpSpecializedConfig(block_n=block_n, stages=stages,
+                                                                       prefetch=prefetch)
+            yield f"ws_bn{block_n}_st{stages}{label}", dict(path="warp_specialized", warp_specialized=config)
 
 
 def max_diff(got, want) -> dict:
@@ -125,18 +127,18 @@ def run_case(case: AttnShape, args) -> list[dict]:
                            swa_capacity=case.swa_capacity, extra_capacity=case.extra_capacity,
                            seed=0, device="cuda")
     base = dict(case=case.name, rows=case.rows, heads=case.heads, entries=inp.entries_per_row())
-    impls = {"triton": lambda: torch.ops.dsv4.sparse_attn(*inp.args()),  # the op's choice of path
-             "triton_fused": lambda: K.launch_sparse_attn(*inp.args(), path="fused"),
-             "triton_ws": lambda: K.launch_sparse_attn(*inp.args(), path="warp_specialized"),
-             "triton_two_pass": lambda: K.launch_sparse_attn(*inp.args(), path="two_pass")}
+    impls = {"triton": lambda: sparse_attn(*inp.args()),  # the op's choice of path
+             "triton_fused": lambda: dispatch.launch_sparse_attn(*inp.args(), path="fused"),
+             "triton_ws": lambda: dispatch.launch_sparse_attn(*inp.args(), path="warp_specialized"),
+             "triton_two_pass": lambda: dispatch.launch_sparse_attn(*inp.args(), path="two_pass")}
     if args.flashmla and flashmla.available():
         impls["flashmla"] = flashmla_raw(inp)
-        impls["flashmla_op"] = lambda: torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
+        impls["flashmla_op"] = lambda: torch.ops.dsv4.sparse_attn_flashmla(*inp.op_args())
     if case.rows * inp.entries_per_row() <= args.reference_max_row_keys:
         impls["reference"] = lambda: ref.sparse_attn(*inp.args())
     if args.sweep:
         for label, kw in sweep_configs(inp):
-            impls[f"triton_{label}"] = lambda kw=kw: K.launch_sparse_attn(*inp.args(), **kw)
+            impls[f"triton_{label}"] = lambda kw=kw: dispatch.launch_sparse_attn(*inp.args(), **kw)
     want = impls["triton"]()
     records = []
     for impl, fn in impls.items():
@@ -158,9 +160,10 @@ def run_case(case: AttnShape, args) -> list[dict]:
 
 
 def print_kernel_info() -> None:
-    kernels = [K._sparse_attn_fwd, K._combine, two_pass._block_scores, two_pass._block_values]
-    if ws.gluon is not None:
-        kernels.append(ws._sparse_attn_ws)
+    kernels = [sparse_attn_fused._sparse_attn_fused, sparse_attn_combine._combine_kernel, two_pass._block_scores,
+               two_pass._block_values]
+    if sparse_attn_warp_specialized.gluon is not None:
+        kernels.append(sparse_attn_warp_specialized._sparse_attn_warp_specialized)
     for fn in kernels:
         for caches in fn.device_caches.values():
             for compiled in caches[0].values():

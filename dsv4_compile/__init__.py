@@ -5,6 +5,7 @@ Importing the package registers every ``torch.ops.dsv4.*`` operator.
 
 from . import ops  # noqa: F401  (registers the dsv4:: ops)
 from .allocator import OutOfPagesError, PageAllocator
+from .attention import KVSet, sparse_attn
 from .cache import DSV4Cache, LayerCache
 from .config import DSV4AttnConfig
 from .layer import DSV4Attention, DSV4AttentionStack
@@ -12,7 +13,7 @@ from .oracle import oracle_layer, oracle_stack
 from .step import ForwardMode, StepInputs, StepMetadata, build_step_metadata
 
 __all__ = [
-    "DSV4Attention", "DSV4AttentionStack", "DSV4AttnConfig", "DSV4Cache", "ForwardMode", "LayerCache",
+    "DSV4Attention", "DSV4AttentionStack", "DSV4AttnConfig", "DSV4Cache", "ForwardMode", "KVSet", "LayerCache",
     "OutOfPagesError", "PageAllocator", "StepInputs", "StepMetadata", "build_step_metadata",
-    "oracle_layer", "oracle_stack",
+    "oracle_layer", "oracle_stack", "sparse_attn",
 ]

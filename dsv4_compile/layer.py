@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import layout
+from .attention import KVSet, sparse_attn
 from .cache import DSV4Cache, LayerCache
 from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
 from .reference.functional import rms_norm, rope_tail
@@ -149,7 +150,7 @@ class DSV4Attention(nn.Module):
         ops = torch.ops.dsv4
         q, kv, q_lora = self.project_q_kv(x, meta.positions)
         ops.store_kv(cache.swa_kv, meta.swa_out_loc, kv, PAGE_SIZE)
-        extra = (None, 0, None, None)
+        extra = None
         if self.ratio == 4 and meta.c4_out_loc is not None:
             idx = self.indexer
             ik = idx.compressor(x, meta, cache.index_state, cache.ring, self.inv_freq)
@@ -159,13 +160,13 @@ class DSV4Attention(nn.Module):
             topk = ops.indexer_topk(q_fp8, w, cache.index_k, meta.page_table, meta.c4_visible, idx.topk)
             entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
             ops.store_kv(cache.extra_kv, meta.c4_out_loc, entries, cache.extra_page_size)
-            extra = (cache.extra_kv, cache.extra_page_size, topk, meta.c4_topk_lengths)
+            extra = KVSet(cache.extra_kv, cache.extra_page_size, topk, meta.c4_topk_lengths)
         elif self.ratio == 128 and meta.c128_out_loc is not None:
             entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
             ops.store_kv(cache.extra_kv, meta.c128_out_loc, entries, cache.extra_page_size)
-            extra = (cache.extra_kv, cache.extra_page_size, meta.c128_indices, meta.c128_lengths)
-        out, _ = ops.sparse_attn(q, cache.swa_kv, PAGE_SIZE, meta.swa_indices, meta.swa_lengths, *extra,
-                                 self.attn_sink, self.config.softmax_scale)
+            extra = KVSet(cache.extra_kv, cache.extra_page_size, meta.c128_indices, meta.c128_lengths)
+        swa = KVSet(cache.swa_kv, PAGE_SIZE, meta.swa_indices, meta.swa_lengths)
+        out, _ = sparse_attn(q, swa, extra, self.attn_sink, self.config.softmax_scale)
         return self.output(out, meta.positions)
 
 

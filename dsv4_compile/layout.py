@@ -1,4 +1,4 @@
-"""The one home of the FP8 cache byte layouts (SPEC §2.2, §2.3).
+"""The one home of the FP8 cache byte layouts (docs/semantics.md §2.2, §2.3).
 
 MODEL1 token pack (attention caches: SWA, c4, c128), 584 bytes of content per token::
 
@@ -42,7 +42,7 @@ INDEX_PAGE_SIZE = 64
 INDEX_ENTRY_BYTES = INDEX_HEAD_DIM + 4  # 132: fp8 values + fp32 scale
 INDEX_SCALE_EPS = 1e-4
 
-# -- pool page sizes (entries per page, SPEC §1.1) ---------------------------------------------
+# -- pool page sizes (entries per page, docs/semantics.md §1.1) ---------------------------------------------
 SWA_PAGE_SIZE = PAGE_SIZE
 C4_PAGE_SIZE = PAGE_SIZE // 4  # 64
 C128_PAGE_SIZE = PAGE_SIZE // 128  # 2

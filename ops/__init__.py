@@ -1,11 +1,11 @@
 """The ``dsv4::`` operator library. Importing it registers every op.
 
-Each module holds one op family: schema (``torch.library.custom_op``), fake (meta) impl, argument
-checks, the reference as the default kernel for every device, and — where one exists — the Triton
-launcher registered as the CUDA kernel.
+Each module holds one op family and states each op once through ``_library.dsv4_op``: its schema,
+argument check, reference (the kernel of every device), fake (meta) impl and, where one exists,
+the Triton launcher registered as the CUDA kernel.
 """
 
-if __name__ != "dsv4_compile.ops":  # installed from the top-level ops/ folder (STYLE.md, Layout)
+if __name__ != "dsv4_compile.ops":  # the top-level ops/ folder installs as dsv4_compile.ops only
     raise ImportError(f"import dsv4_compile.ops, not {__name__!r}")
 
 from . import compressor, indexer, kv_cache, metadata, sparse_attn  # noqa: E402,F401

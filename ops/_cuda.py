@@ -1,18 +1,4 @@
-"""Registering Triton launchers as the CUDA kernels of ``dsv4::`` ops.
+"""``cuda_kernel`` and ``HAS_TRITON`` under their former module name; both live in ``_library.py``
+(``ops/metadata.py`` still imports them from here)."""
 
-Where Triton is not installed (platforms it does not support) nothing is registered: the
-reference stays the kernel on every device, and the package still imports and runs.
-"""
-
-from __future__ import annotations
-
-try:
-    import triton  # noqa: F401
-    HAS_TRITON = True
-except ImportError:
-    HAS_TRITON = False
-
-
-def cuda_kernel(op):
-    """``op.register_kernel("cuda")`` when Triton is available, else a no-op decorator."""
-    return op.register_kernel("cuda") if HAS_TRITON else (lambda fn: fn)
+from ._library import HAS_TRITON, cuda_kernel  # noqa: F401

@@ -12,6 +12,9 @@ kernel of every device. ``check`` runs before every implementation — reference
 so a bad argument fails with the same error eagerly, under tracing and in a compiled graph's
 fake pass. ``cuda`` (same signature as the op) is registered as the CUDA kernel only where
 Triton is installed; elsewhere the reference stays the kernel on every device.
+
+Where Triton is not installed (platforms it does not support) no CUDA kernel is registered: the
+package still imports and every op runs its reference.
 """
 
 from __future__ import annotations
@@ -30,6 +33,12 @@ except ImportError:
 NAMESPACE = "dsv4"
 
 
+def cuda_kernel(op):
+    """``op.register_kernel("cuda")`` where Triton is installed, else a no-op decorator: for an op
+    defined with ``torch.library.custom_op`` directly rather than through :func:`dsv4_op`."""
+    return op.register_kernel("cuda") if HAS_TRITON else (lambda fn: fn)
+
+
 def _checked(fn: Callable, check: Callable) -> Callable:
     @functools.wraps(fn)
     def run(*args, **kwargs):
@@ -39,16 +48,19 @@ def _checked(fn: Callable, check: Callable) -> Callable:
 
 
 def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None = None,
-            mutates_args: Sequence[str] = (), device_types: str | None = None):
+            mutates_args: Sequence[str] = (), device_types: str | None = None, schema: str | None = None):
     """Decorator turning a reference function into the custom op ``dsv4::<name>`` (see module doc).
 
     ``device_types="cuda"`` registers no reference kernel: the op then runs only on CUDA, through
-    ``cuda`` (which must be given).
+    ``cuda``, or through the decorated function itself when ``cuda`` is not given. ``schema``
+    (``torch.library.infer_schema`` form) replaces the one inferred from the decorated function's
+    annotations: an op with another op's signature states it once.
     """
     def register(reference: Callable) -> torch.library.CustomOpDef:
-        impl = reference if device_types is None else cuda
+        impl = cuda if device_types is not None and cuda is not None else reference
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", _checked(impl, check),
-                                     mutates_args=tuple(mutates_args), device_types=device_types)
+                                     mutates_args=tuple(mutates_args), device_types=device_types,
+                                     schema=schema)
         if cuda is not None and device_types is None and HAS_TRITON:
             op.register_kernel("cuda")(_checked(cuda, check))
         op.register_fake(_checked(fake, check))

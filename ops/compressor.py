@@ -1,6 +1,6 @@
 """``dsv4::compress_kv``: softmax-gated window pooling + RMSNorm + RoPE (+ Hadamard) with the
-compressor state ring (SPEC §4.2). The caller stores the result with ``store_kv`` (attention
-compressor) or ``store_index_k`` (indexer compressor) at the c4 / c128 out slots.
+compressor state ring (docs/semantics.md §4.2). The caller stores the result with ``store_kv``
+(attention compressor) or ``store_index_k`` (indexer compressor) at the c4 / c128 out slots.
 
 Shape legend: T = rows, d = entry dim (512 or 128), Wc = coff * d (coff 2 for ratio 4, else 1),
 R = request rows, ring = state rows per request.
@@ -12,7 +12,7 @@ import torch
 
 from ..reference import compressor as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
-from ._cuda import HAS_TRITON, cuda_kernel
+from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
     from .kernels import compressor as kernels
@@ -20,8 +20,8 @@ if HAS_TRITON:
 _F32 = (torch.float32,)
 
 
-def _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
-           inv_freq, ratio, ring) -> None:
+def _check_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
+           inv_freq, ratio, ring, rotate, eps) -> None:
     op = "compress_kv"
     if ratio not in (4, 128):
         raise ValueError(f"dsv4.{op}: ratio={ratio} must be 4 or 128")
@@ -36,38 +36,25 @@ def _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, ext
     if ring < ref.window_slots(ratio) or state.shape[0] % ring:
         raise ValueError(f"dsv4.{op}: ring={ring} must be >= {ref.window_slots(ratio)} and divide "
                          f"state rows ({state.shape[0]})")
-    for name, t in dict(req_of_row=req_of_row, seq_lens_causal=seq_lens_causal, extend_start=extend_start,
-                        extend_end=extend_end).items():
+    rows = dict(req_of_row=req_of_row, seq_lens_causal=seq_lens_causal, extend_start=extend_start,
+                extend_end=extend_end)
+    for name, t in rows.items():
         check_tensor(op, name, t, dtypes=INDEX_DTYPES, ndim=1)
-    check_same_rows(op, kv=kv, score=score, req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
-                    extend_start=extend_start, extend_end=extend_end)
+    check_same_rows(op, kv=kv, score=score, **rows)
 
 
-@torch.library.custom_op("dsv4::compress_kv", mutates_args=("state",))
+def _compress_kv_fake(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
+                      *_):
+    return kv.new_empty(kv.shape[0], norm_weight.shape[0], dtype=torch.bfloat16)
+
+
+@dsv4_op("compress_kv", check=_check_compress_kv, fake=_compress_kv_fake,
+         cuda=kernels.launch_compress_kv if HAS_TRITON else None, mutates_args=("state",))
 def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
                 req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, extend_start: torch.Tensor,
                 extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
                 ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """One potential compressed entry per row, ``[T, d] bf16`` (meaningful where the row
     completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``."""
-    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
-           inv_freq, ratio, ring)
     return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
                            norm_weight, inv_freq, ratio, ring, rotate, eps)
-
-
-@cuda_kernel(compress_kv)
-def _(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
-      ratio, ring, rotate, eps):
-    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
-           inv_freq, ratio, ring)
-    return kernels.launch_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
-                                      norm_weight, inv_freq, ratio, ring, rotate, eps)
-
-
-@compress_kv.register_fake
-def _(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
-      ratio, ring, rotate, eps):
-    _check(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
-           inv_freq, ratio, ring)
-    return kv.new_empty(kv.shape[0], norm_weight.shape[0], dtype=torch.bfloat16)

@@ -1,6 +1,6 @@
-"""Lightning indexer ops (SPEC §4.3): ``dsv4::indexer_prepare_q`` (RoPE + Hadamard + per-head
-FP8 quantisation of the indexer queries) and ``dsv4::indexer_topk`` (logits over the visible c4
-entries + top-k, mapped to c4 slots).
+"""Lightning indexer ops (docs/semantics.md §4.3): ``dsv4::indexer_prepare_q`` (RoPE + Hadamard +
+per-head FP8 quantisation of the indexer queries) and ``dsv4::indexer_topk`` (logits over the
+visible c4 entries + top-k, mapped to c4 slots).
 
 Shape legend: T = rows, H = indexer heads, NP = pages per request, K = topk.
 """
@@ -13,7 +13,7 @@ from .. import layout
 from ..config import INDEX_HEAD_DIM
 from ..reference import indexer as ref
 from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
-from ._cuda import HAS_TRITON, cuda_kernel
+from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
     from .kernels import indexer as kernels
@@ -21,7 +21,7 @@ if HAS_TRITON:
 _FP8 = torch.float8_e4m3fn
 
 
-def _check_prepare(q, weights, positions, inv_freq) -> None:
+def _check_prepare(q, weights, positions, inv_freq, weight_scale) -> None:
     op = "indexer_prepare_q"
     check_tensor(op, "q", q, dtypes=(torch.bfloat16, torch.float32), ndim=3,
                  shape=(None, None, INDEX_HEAD_DIM))
@@ -32,25 +32,17 @@ def _check_prepare(q, weights, positions, inv_freq) -> None:
     check_same_rows(op, q=q, weights=weights, positions=positions)
 
 
-@torch.library.custom_op("dsv4::indexer_prepare_q", mutates_args=())
+def _prepare_fake(q, *_):
+    return q.new_empty(q.shape, dtype=_FP8), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@dsv4_op("indexer_prepare_q", check=_check_prepare, fake=_prepare_fake,
+         cuda=kernels.launch_indexer_prepare_q if HAS_TRITON else None)
 def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q_fp8 [T, H, 128] float8_e4m3fn, w [T, H] fp32)`` from ``q [T, H, 128]`` and
     ``weights [T, H]`` at ``positions [T]``."""
-    _check_prepare(q, weights, positions, inv_freq)
     return ref.indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
-
-
-@cuda_kernel(indexer_prepare_q)
-def _(q, weights, positions, inv_freq, weight_scale):
-    _check_prepare(q, weights, positions, inv_freq)
-    return kernels.launch_indexer_prepare_q(q, weights, positions, inv_freq, weight_scale)
-
-
-@indexer_prepare_q.register_fake
-def _(q, weights, positions, inv_freq, weight_scale):
-    _check_prepare(q, weights, positions, inv_freq)
-    return q.new_empty(q.shape, dtype=_FP8), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
 def _check_topk(q_fp8, w, index_cache, page_table, visible, topk) -> None:
@@ -66,22 +58,14 @@ def _check_topk(q_fp8, w, index_cache, page_table, visible, topk) -> None:
         raise ValueError(f"dsv4.{op}: topk={topk} must be a positive multiple of 64")
 
 
-@torch.library.custom_op("dsv4::indexer_topk", mutates_args=())
+def _topk_fake(q_fp8, w, index_cache, page_table, visible, topk):
+    return page_table.new_empty(page_table.shape[0], topk, dtype=torch.int32)
+
+
+@dsv4_op("indexer_topk", check=_check_topk, fake=_topk_fake,
+         cuda=kernels.launch_indexer_topk if HAS_TRITON else None)
 def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
                  page_table: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """``[T, topk] int32`` c4 slots of the selected entries (all visible ones when
     ``visible <= topk``), -1 padded."""
-    _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
     return ref.indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)
-
-
-@cuda_kernel(indexer_topk)
-def _(q_fp8, w, index_cache, page_table, visible, topk):
-    _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
-    return kernels.launch_indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)
-
-
-@indexer_topk.register_fake
-def _(q_fp8, w, index_cache, page_table, visible, topk):
-    _check_topk(q_fp8, w, index_cache, page_table, visible, topk)
-    return page_table.new_empty(page_table.shape[0], topk, dtype=torch.int32)

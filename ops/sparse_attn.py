@@ -1,11 +1,14 @@
 """``dsv4::sparse_attn``: sparse MQA over SWA + extra (c4 / c128) entries of FP8 MODEL1 caches,
-with a per-head attention sink (SPEC §4.4). A fixed public contract (name and argument order).
+with a per-head attention sink (docs/semantics.md §4.4). A fixed public contract (name and
+argument order); Python callers use ``dsv4_compile.attention.sparse_attn``, which takes the two
+entry lists as ``KVSet``s.
 
-Kernels: the reference on every device; on CUDA ``kernels/sparse_attn.py``'s launcher, which picks
-a path from the shapes and the GPU (the warp-specialised Gluon kernel on sm_90, else a fused or a
-two-pass Triton kernel), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` is set (read per call).
-``dsv4::sparse_attn_flashmla`` (same signature, CUDA only) always calls FlashMLA; it needs the
-optional ``flash_mla`` module (pip ``sgl-flash-mla``), imported on first use.
+Kernels: the reference on every device; on CUDA ``kernels/sparse_attn_dispatch.py``, which picks
+a path from the shapes and the GPU (the warp-specialised Gluon kernel on sm_90, else the fused or
+the two-pass Triton kernels), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` (see
+:func:`_sparse_attn_cuda`). ``dsv4::sparse_attn_flashmla`` (same signature, CUDA only) always
+calls FlashMLA; it needs the optional ``flash_mla`` module (pip ``sgl-flash-mla``), imported on
+first use.
 
 Shape legend: T = query rows, H = heads, K1 / K2 = index widths (multiples of 64).
 """
@@ -17,73 +20,41 @@ from typing import Optional
 
 import torch
 
+from ..attention import KVSet, from_op_args
 from ..config import HEAD_DIM, INDEX_ALIGN
 from ..reference import sparse_attn as ref
-from ._checks import INDEX_DTYPES, check_multiple_of, check_same_rows, check_tensor
-from ._cuda import HAS_TRITON, cuda_kernel
+from ._checks import INDEX_DTYPES, check_multiple_of, check_tensor
+from ._library import HAS_TRITON, dsv4_op
 from .kv_cache import check_model1_cache
 
 if HAS_TRITON:
     from .kernels import flashmla
-    from .kernels import sparse_attn as kernels
+    from .kernels import sparse_attn_dispatch as dispatch
 
 FLASHMLA_MAX_HEADS = 128
 IMPL_ENV = "DSV4_ATTN_IMPL"  # "flashmla" routes the CUDA kernel of dsv4::sparse_attn to FlashMLA
+_OP = "sparse_attn"
 
 
-def _check_index_set(which: str, cache, page_size, indices, lengths, rows: int) -> None:
-    op = "sparse_attn"
-    check_model1_cache(op, f"{which}_cache", cache, page_size)
-    check_tensor(op, f"{which}_indices", indices, dtypes=INDEX_DTYPES, ndim=2, shape=(rows, None))
-    check_multiple_of(op, f"{which}_indices.shape[1]", indices.shape[1], INDEX_ALIGN)
-    check_tensor(op, f"{which}_lengths", lengths, dtypes=INDEX_DTYPES, ndim=1, shape=(rows,))
+def _check_kv_set(which: str, kv: KVSet, rows: int) -> None:
+    check_model1_cache(_OP, f"{which}_cache", kv.cache, kv.page_size)
+    check_tensor(_OP, f"{which}_indices", kv.indices, dtypes=INDEX_DTYPES, ndim=2, shape=(rows, None))
+    check_multiple_of(_OP, f"{which}_indices.shape[1]", kv.indices.shape[1], INDEX_ALIGN)
+    check_tensor(_OP, f"{which}_lengths", kv.lengths, dtypes=INDEX_DTYPES, ndim=1, shape=(rows,))
 
 
-def _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-           extra_indices, extra_lengths, attn_sink) -> None:
-    op = "sparse_attn"
-    check_tensor(op, "q", q, dtypes=(torch.bfloat16,), ndim=3, shape=(None, None, HEAD_DIM))
-    check_tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, shape=(q.shape[1],))
-    _check_index_set("swa", swa_cache, swa_page_size, swa_indices, swa_lengths, q.shape[0])
-    extras = (extra_cache, extra_indices, extra_lengths)
+def _check_sparse_attn(*args) -> None:
+    """Arguments of the op, as positionals (``attention.op_args``)."""
+    extras = (args[5], args[7], args[8])  # extra_cache, extra_indices, extra_lengths
     if any(t is None for t in extras) and not all(t is None for t in extras):
-        raise ValueError(f"dsv4.{op}: extra_cache, extra_indices and extra_lengths must be given "
+        raise ValueError(f"dsv4.{_OP}: extra_cache, extra_indices and extra_lengths must be given "
                          "together (or all None for ratio-0 layers)")
-    if extra_cache is not None:
-        _check_index_set("extra", extra_cache, extra_page_size, extra_indices, extra_lengths, q.shape[0])
-
-
-@torch.library.custom_op("dsv4::sparse_attn", mutates_args=())
-def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int, swa_indices: torch.Tensor,
-                swa_lengths: torch.Tensor, extra_cache: Optional[torch.Tensor], extra_page_size: int,
-                extra_indices: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor],
-                attn_sink: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(out [T, H, 512] bf16, lse [T, H] fp32)``; lse is the natural log without the sink,
-    ``+inf`` for a row with no valid key (whose out is 0)."""
-    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-           extra_indices, extra_lengths, attn_sink)
-    return ref.sparse_attn(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache,
-                           extra_page_size, extra_indices, extra_lengths, attn_sink, softmax_scale)
-
-
-@sparse_attn.register_fake
-def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-      extra_indices, extra_lengths, attn_sink, softmax_scale):
-    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-           extra_indices, extra_lengths, attn_sink)
-    return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
-
-
-@cuda_kernel(sparse_attn)
-def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-      extra_indices, extra_lengths, attn_sink, softmax_scale):
-    args = (q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-            extra_indices, extra_lengths, attn_sink, softmax_scale)
-    _check(*args[:-1])
-    if os.environ.get(IMPL_ENV) == "flashmla":
-        _check_flashmla_heads(q)
-        return flashmla.flashmla_sparse_attn(*args)
-    return kernels.launch_sparse_attn(*args)
+    q, swa, extra, attn_sink, _ = from_op_args(args)
+    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), ndim=3, shape=(None, None, HEAD_DIM))
+    check_tensor(_OP, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, shape=(q.shape[1],))
+    _check_kv_set("swa", swa, q.shape[0])
+    if extra is not None:
+        _check_kv_set("extra", extra, q.shape[0])
 
 
 def _check_flashmla_heads(q: torch.Tensor) -> None:
@@ -92,25 +63,45 @@ def _check_flashmla_heads(q: torch.Tensor) -> None:
                          f"{FLASHMLA_MAX_HEADS}")
 
 
-@torch.library.custom_op("dsv4::sparse_attn_flashmla", mutates_args=(), device_types="cuda")
-def sparse_attn_flashmla(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
-                         swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
-                         extra_cache: Optional[torch.Tensor], extra_page_size: int,
-                         extra_indices: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor],
-                         attn_sink: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dsv4::sparse_attn`` computed by FlashMLA (H <= 128); same outputs and semantics."""
-    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-           extra_indices, extra_lengths, attn_sink)
-    _check_flashmla_heads(q)
-    return flashmla.flashmla_sparse_attn(q, swa_cache, swa_page_size, swa_indices, swa_lengths,
-                                         extra_cache, extra_page_size, extra_indices, extra_lengths,
-                                         attn_sink, softmax_scale)
+def _check_flashmla(*args) -> None:
+    """``_check_sparse_attn``, and a head count FlashMLA supports (in the fake too: fails at trace time)."""
+    _check_sparse_attn(*args)
+    _check_flashmla_heads(args[0])
 
 
-@sparse_attn_flashmla.register_fake
-def _(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-      extra_indices, extra_lengths, attn_sink, softmax_scale):
-    _check(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
-           extra_indices, extra_lengths, attn_sink)
-    _check_flashmla_heads(q)  # fails at trace time too
+def _attn_fake(q: torch.Tensor, *_) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+def _flashmla(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    return flashmla.flashmla_sparse_attn(*from_op_args(args))
+
+
+def _sparse_attn_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CUDA kernel: our kernels, or FlashMLA when ``DSV4_ATTN_IMPL=flashmla``. The variable is
+    read on every call of the op, eager or from a compiled graph; a captured CUDA graph (a capture
+    by hand or torch.compile's ``mode="reduce-overhead"``) replays the kernels it recorded, whatever
+    the variable says at replay."""
+    if os.environ.get(IMPL_ENV) == "flashmla":
+        _check_flashmla_heads(args[0])
+        return _flashmla(*args)
+    return dispatch.launch_sparse_attn(*from_op_args(args))
+
+
+def _reference(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int, swa_indices: torch.Tensor,
+               swa_lengths: torch.Tensor, extra_cache: Optional[torch.Tensor], extra_page_size: int,
+               extra_indices: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor],
+               attn_sink: torch.Tensor, softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out [T, H, 512] bf16, lse [T, H] fp32)``; lse is the natural log without the sink,
+    ``+inf`` for a row with no valid key (whose out is 0)."""
+    return ref.sparse_attn(*from_op_args((q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache,
+                                          extra_page_size, extra_indices, extra_lengths, attn_sink,
+                                          softmax_scale)))
+
+
+_SCHEMA = torch.library.infer_schema(_reference, mutates_args=())
+sparse_attn = dsv4_op(_OP, check=_check_sparse_attn, fake=_attn_fake, cuda=_sparse_attn_cuda,
+                      schema=_SCHEMA)(_reference)
+# the same op computed by FlashMLA (H <= 128): same signature, outputs and semantics
+sparse_attn_flashmla = dsv4_op("sparse_attn_flashmla", check=_check_flashmla, fake=_attn_fake,
+                               device_types="cuda", schema=_SCHEMA)(_flashmla)

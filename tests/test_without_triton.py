@@ -12,8 +12,8 @@ class NoTriton(importlib.abc.MetaPathFinder):
 sys.meta_path.insert(0, NoTriton())
 import torch
 import dsv4_compile
-from dsv4_compile.ops import _cuda
-assert not _cuda.HAS_TRITON and "triton" not in sys.modules
+from dsv4_compile.ops import _library
+assert not _library.HAS_TRITON and "triton" not in sys.modules
 cache = torch.zeros(2, dsv4_compile.layout.model1_page_bytes(2), dtype=torch.uint8)
 torch.ops.dsv4.store_kv(cache, torch.tensor([3]), torch.ones(1, 512, dtype=torch.bfloat16), 2)
 assert torch.equal(torch.ops.dsv4.dequant_kv(cache, torch.tensor([3]), 2), torch.ones(1, 512, dtype=torch.bfloat16))

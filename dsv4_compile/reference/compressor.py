@@ -1,5 +1,5 @@
 """KV compressor: softmax-gated pooling of raw-token projections into one entry per window
-(SPEC §4.2) — reference.
+(docs/semantics.md §4.2) — reference.
 
 Per raw token ``t`` at position ``p_t`` the caller supplies ``a_t = x_t W_kv`` and
 ``s_t = x_t W_gate`` (fp32, width ``Wc = coff * d``; coff = 2 for ratio 4, 1 for ratio 128).

@@ -1,4 +1,4 @@
-"""Lightning indexer: score visible c4 entries and pick the top-k (SPEC §4.3) — reference.
+"""Lightning indexer: score visible c4 entries and pick the top-k (docs/semantics.md §4.3) — reference.
 
 For query row ``q`` at position ``p`` with ``n = (p + 1) // 4`` visible compressed entries::
 

@@ -1,4 +1,4 @@
-"""Paged cache writes and reads by slot (SPEC §2.2, §2.3, §4.1) — reference.
+"""Paged cache writes and reads by slot (docs/semantics.md §2.2, §2.3, §4.1) — reference.
 
 Caches are 2-D ``uint8 [N_pages, page_bytes]`` tensors addressed as ``slot -> (slot // P, slot % P)``
 through the page views of :mod:`.quant`. Writes skip rows whose slot is negative; reads return
@@ -8,6 +8,8 @@ rows use slot 0) and writes back what is already there, so the result is determi
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -31,38 +33,40 @@ def _scatter(view: torch.Tensor, page: torch.Tensor, off: torch.Tensor, values: 
     view[page, off] = torch.where(mask, values, keep)
 
 
+def _store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, views: Callable,
+           quantize: Callable) -> None:
+    """Write ``quantize(k)``'s fields through the page ``views`` of ``cache``, row n at ``slots[n]``."""
+    valid, page, off = _page_offset(slots, page_size)
+    for view, values in zip(views(cache, page_size), quantize(k)):
+        _scatter(view, page, off, values, valid)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int, views: Callable,
+            dequantize: Callable) -> torch.Tensor:
+    """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for slot < 0)."""
+    valid, page, off = _page_offset(slots.reshape(-1), page_size)
+    k = dequantize(*(view[page, off] for view in views(cache, page_size)))
+    return torch.where(valid.unsqueeze(1), k, 0.0).reshape(*slots.shape, k.shape[-1])
+
+
 def store_model1(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (negative: skipped).
 
     cache: [N_pages, page_bytes] uint8, mutated in place.
     """
-    valid, page, off = _page_offset(slots, page_size)
-    data_view, scale_view = model1_page_views(cache, page_size)
-    data, scales = quantize_model1(k)
-    _scatter(data_view, page, off, data, valid)
-    _scatter(scale_view, page, off, scales, valid)
+    _store(cache, slots, k, page_size, model1_page_views, quantize_model1)
 
 
 def gather_model1(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantised keys at ``slots [...]`` of a MODEL1 cache: ``[..., 512] fp32`` (0 for slot < 0)."""
-    valid, page, off = _page_offset(slots.reshape(-1), page_size)
-    data_view, scale_view = model1_page_views(cache, page_size)
-    k = dequantize_model1(data_view[page, off], scale_view[page, off])
-    return torch.where(valid.unsqueeze(1), k, 0.0).reshape(*slots.shape, k.shape[-1])
+    return _gather(cache, slots, page_size, model1_page_views, dequantize_model1)
 
 
 def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise indexer keys ``k [N, 128]`` (fp8 + fp32 scale) and write row n at ``slots[n]``."""
-    valid, page, off = _page_offset(slots, page_size)
-    vals_view, scale_view = index_page_views(cache, page_size)
-    vals, scale = quantize_index_k(k)
-    _scatter(vals_view, page, off, vals, valid)
-    _scatter(scale_view, page, off, scale, valid)
+    _store(cache, slots, k, page_size, index_page_views, quantize_index_k)
 
 
 def gather_index_k(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Dequantised indexer keys at ``slots [...]``: ``[..., 128] fp32`` (0 for slot < 0)."""
-    valid, page, off = _page_offset(slots.reshape(-1), page_size)
-    vals_view, scale_view = index_page_views(cache, page_size)
-    k = dequantize_index_k(vals_view[page, off], scale_view[page, off])
-    return torch.where(valid.unsqueeze(1), k, 0.0).reshape(*slots.shape, k.shape[-1])
+    return _gather(cache, slots, page_size, index_page_views, dequantize_index_k)

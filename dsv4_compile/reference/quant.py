@@ -1,4 +1,4 @@
-"""FP8 quantisation of cache entries and paged byte addressing (SPEC §2.2, §2.3) — reference.
+"""FP8 quantisation of cache entries and paged byte addressing (docs/semantics.md §2.2, §2.3) — reference.
 
 MODEL1 (attention caches), per 64-wide nope tile ``g`` of a key ``k [512]``::
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import layout as L
+from .. import layout
 from ..config import INDEX_HEAD_DIM, NOPE_DIM
 
 _FP8 = torch.float8_e4m3fn
@@ -27,7 +27,7 @@ _FP8 = torch.float8_e4m3fn
 def div_fp8_max(x: torch.Tensor) -> torch.Tensor:
     """``x / 448`` as a true IEEE division on every device (CUDA turns a division by a Python
     scalar into a multiplication by its rounded reciprocal, which differs in the last bit)."""
-    return x / torch.full_like(x, L.FP8_MAX)
+    return x / torch.full_like(x, layout.FP8_MAX)
 
 
 def ceil_log2(x: torch.Tensor) -> torch.Tensor:
@@ -44,14 +44,14 @@ def quantize_model1(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     ``scales [N, 8] uint8`` (7 ue8m0 exponents + one zero pad byte).
     """
     n = k.shape[0]
-    nope = k[:, :NOPE_DIM].float().reshape(n, L.NUM_TILES, L.FP8_TILE)  # [N, 7, 64]
-    amax = nope.abs().amax(dim=-1).clamp_min(L.MODEL1_SCALE_EPS)  # [N, 7]
+    nope = k[:, :NOPE_DIM].float().reshape(n, layout.NUM_TILES, layout.FP8_TILE)  # [N, 7, 64]
+    amax = nope.abs().amax(dim=-1).clamp_min(layout.MODEL1_SCALE_EPS)  # [N, 7]
     exponent = ceil_log2(div_fp8_max(amax))  # [N, 7] int32
     inv_scale = torch.exp2(-exponent.float()).unsqueeze(-1)  # exact power of two
-    fp8 = (nope * inv_scale).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8).reshape(n, NOPE_DIM)
+    fp8 = (nope * inv_scale).clamp(-layout.FP8_MAX, layout.FP8_MAX).to(_FP8).reshape(n, NOPE_DIM)
     rope = k[:, NOPE_DIM:].to(torch.bfloat16).contiguous()
     data = torch.cat([fp8.view(torch.uint8), rope.view(torch.uint8)], dim=1)  # [N, 576]
-    scales = torch.cat([(exponent + L.UE8M0_BIAS).to(torch.uint8),
+    scales = torch.cat([(exponent + layout.UE8M0_BIAS).to(torch.uint8),
                         torch.zeros(n, 1, dtype=torch.uint8, device=k.device)], dim=1)
     return data, scales
 
@@ -59,8 +59,8 @@ def quantize_model1(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize_model1(data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`quantize_model1`: ``[N, 576] u8, [N, 8] u8 -> [N, 512] fp32`` (exact)."""
     n = data.shape[0]
-    nope = data[:, :NOPE_DIM].contiguous().view(_FP8).float().reshape(n, L.NUM_TILES, L.FP8_TILE)
-    scale = torch.exp2(scales[:, : L.NUM_TILES].float() - L.UE8M0_BIAS).unsqueeze(-1)
+    nope = data[:, :NOPE_DIM].contiguous().view(_FP8).float().reshape(n, layout.NUM_TILES, layout.FP8_TILE)
+    scale = torch.exp2(scales[:, : layout.NUM_TILES].float() - layout.UE8M0_BIAS).unsqueeze(-1)
     rope = data[:, NOPE_DIM:].contiguous().view(torch.bfloat16).float()
     return torch.cat([(nope * scale).reshape(n, NOPE_DIM), rope], dim=1)
 
@@ -73,18 +73,18 @@ def fake_quant_model1(k: torch.Tensor) -> torch.Tensor:
 def model1_page_views(cache: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of a MODEL1 cache ``[N_pages, Nb] uint8``: token data ``[N_pages, P, 576]`` and
     token scales ``[N_pages, P, 8]`` (both alias the cache; writes go through)."""
-    data_end = page_size * L.TOKEN_DATA_BYTES
-    data = cache[:, :data_end].unflatten(1, (page_size, L.TOKEN_DATA_BYTES))
-    scales = cache[:, data_end:data_end + page_size * L.TOKEN_SCALE_BYTES].unflatten(
-        1, (page_size, L.TOKEN_SCALE_BYTES))
+    data_end = page_size * layout.TOKEN_DATA_BYTES
+    data = cache[:, :data_end].unflatten(1, (page_size, layout.TOKEN_DATA_BYTES))
+    scales = cache[:, data_end:data_end + page_size * layout.TOKEN_SCALE_BYTES].unflatten(
+        1, (page_size, layout.TOKEN_SCALE_BYTES))
     return data, scales
 
 
 def quantize_index_k(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer key pack: ``k [N, 128] -> (fp8 bytes [N, 128] uint8, scale [N] fp32)``."""
     v = k.float()
-    sigma = div_fp8_max(v.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS))  # [N]
-    fp8 = (v / sigma.unsqueeze(1)).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8)
+    sigma = div_fp8_max(v.abs().amax(dim=-1).clamp_min(layout.INDEX_SCALE_EPS))  # [N]
+    fp8 = (v / sigma.unsqueeze(1)).clamp(-layout.FP8_MAX, layout.FP8_MAX).to(_FP8)
     return fp8.view(torch.uint8), sigma
 
 
@@ -98,7 +98,7 @@ def fake_quant_index_k(k: torch.Tensor) -> torch.Tensor:
     return dequantize_index_k(*quantize_index_k(k))
 
 
-def index_page_views(cache: torch.Tensor, page_size: int = L.INDEX_PAGE_SIZE
+def index_page_views(cache: torch.Tensor, page_size: int = layout.INDEX_PAGE_SIZE
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of an indexer key cache ``[N_pages, P * 132] uint8``: fp8 values
     ``[N_pages, P, 128] uint8`` and scales ``[N_pages, P] fp32`` (both alias the cache)."""
@@ -109,10 +109,10 @@ def index_page_views(cache: torch.Tensor, page_size: int = L.INDEX_PAGE_SIZE
 
 
 def quantize_q_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Indexer query quantisation per (row, head) (SPEC §4.3 step 2).
+    """Indexer query quantisation per (row, head) (docs/semantics.md §4.3 step 2).
 
     q: [T, H, 128] fp32. Returns ``q_fp8 [T, H, 128] float8_e4m3fn`` and ``sigma [T, H] fp32``.
     """
-    sigma = div_fp8_max(q.abs().amax(dim=-1).clamp_min(L.INDEX_SCALE_EPS))
-    q_fp8 = (q / sigma.unsqueeze(-1)).clamp(-L.FP8_MAX, L.FP8_MAX).to(_FP8)
+    sigma = div_fp8_max(q.abs().amax(dim=-1).clamp_min(layout.INDEX_SCALE_EPS))
+    q_fp8 = (q / sigma.unsqueeze(-1)).clamp(-layout.FP8_MAX, layout.FP8_MAX).to(_FP8)
     return q_fp8, sigma

@@ -1,4 +1,4 @@
-"""Sparse MQA attention over SWA + extra (compressed) entries with a per-head sink (SPEC §4.4)
+"""Sparse MQA attention over SWA + extra (compressed) entries with a per-head sink (docs/semantics.md §4.4)
 — reference.
 
 Per query row ``q`` and head ``h``::
@@ -17,59 +17,57 @@ from __future__ import annotations
 
 import torch
 
+from ..attention import KVSet
 from .kv_store import gather_model1
 
 _ROW_CHUNK_KEYS = 1 << 15  # rows x keys gathered at once (each key 512 fp32)
 
 
-def _valid_entries(indices: torch.Tensor, lengths: torch.Tensor, capacity: int) -> torch.Tensor:
-    """[T, K] bool: inside the row's length and pointing at a slot of the cache."""
-    m = torch.arange(indices.shape[1], device=indices.device)
-    return (m < lengths.unsqueeze(1)) & (indices >= 0) & (indices < capacity)
-
-
-def sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int, swa_indices: torch.Tensor,
-                swa_lengths: torch.Tensor, extra_cache: torch.Tensor | None, extra_page_size: int,
-                extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
-                attn_sink: torch.Tensor, softmax_scale: float,
-                compute_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, 512] bf16; caches: [N_pages, page_bytes] uint8 (MODEL1); indices: [T, K] int32
-    slots; lengths: [T] int32; attn_sink: [H] fp32. Returns ``out [T, H, 512] bf16`` and
-    ``lse [T, H] fp32``."""
-    sets = [(swa_cache, swa_page_size, swa_indices, swa_lengths)]
-    if extra_cache is not None:
-        sets.append((extra_cache, extra_page_size, extra_indices, extra_lengths))
+def sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: torch.Tensor,
+                softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, H, 512] bf16; ``swa`` / ``extra`` (None on a ratio-0 layer): MODEL1 caches with
+    ``[T, K]`` slot lists and ``[T]`` lengths; attn_sink: [H] fp32. Returns ``out [T, H, 512]
+    bf16`` and ``lse [T, H] fp32``."""
+    sets = [swa] if extra is None else [swa, extra]
     num_rows = q.shape[0]
-    width = sum(s[2].shape[1] for s in sets)
+    width = sum(s.indices.shape[1] for s in sets)
     chunk = max(1, _ROW_CHUNK_KEYS // max(1, width))
     outs, lses = [], []
     for lo in range(0, num_rows, chunk):
-        hi = min(lo + chunk, num_rows)
-        keys, valid = [], []
-        for cache, page_size, idx, lens in sets:
-            ok = _valid_entries(idx[lo:hi], lens[lo:hi], cache.shape[0] * page_size)
-            keys.append(gather_model1(cache, torch.where(ok, idx[lo:hi], -1), page_size))
-            valid.append(ok)
-        o, lse = _attend(q[lo:hi], torch.cat(keys, 1), torch.cat(valid, 1), attn_sink, softmax_scale,
-                         compute_dtype)
-        outs.append(o)
+        keys, valid = gather_rows(sets, lo, min(lo + chunk, num_rows), torch.float32)
+        o, lse = attend(q[lo:lo + chunk].float(), keys, valid, attn_sink.float(), softmax_scale)
+        outs.append(o.to(torch.bfloat16))
         lses.append(lse)
     if not outs:
         return q.new_zeros(q.shape), q.new_zeros(q.shape[:2], dtype=torch.float32)
     return torch.cat(outs, 0), torch.cat(lses, 0)
 
 
-def _attend(q, keys, valid, attn_sink, softmax_scale: float, compute_dtype):
-    """Dense masked attention for a chunk: q [C, H, D], keys [C, K, D], valid [C, K]."""
-    k = keys.to(compute_dtype)
-    logits = torch.einsum("chd,ckd->chk", q.to(compute_dtype), k) * softmax_scale
+def gather_rows(sets: list[KVSet], lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys of rows ``[lo, hi)``: the entries of every set, concatenated in order, ``[C, K, 512]``
+    ``dtype`` (0 where invalid), and ``valid [C, K]`` bool (inside the row's length and pointing at
+    a slot of the cache)."""
+    keys, valid = [], []
+    for kv in sets:
+        idx, lens = kv.indices[lo:hi].long(), kv.lengths[lo:hi].long()
+        m = torch.arange(idx.shape[1], device=idx.device)
+        ok = (m < lens.unsqueeze(1)) & (idx >= 0) & (idx < kv.capacity)
+        keys.append(gather_model1(kv.cache, torch.where(ok, idx, -1), kv.page_size).to(dtype))
+        valid.append(ok)
+    return torch.cat(keys, 1), torch.cat(valid, 1)
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor,
+            softmax_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense masked attention with sink for a chunk, in the dtype of its inputs: q [C, H, D],
+    keys [C, K, D], valid [C, K], attn_sink [H] -> (out [C, H, D], lse [C, H])."""
+    logits = torch.einsum("chd,ckd->chk", q, keys) * softmax_scale
     logits = logits.masked_fill(~valid.unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(logits, dim=-1)  # [C, H]; -inf when no valid key
     empty = torch.isneginf(lse)
     safe_lse = torch.where(empty, 0.0, lse)
     p = torch.exp(logits - safe_lse.unsqueeze(-1))  # 0 at masked keys
-    gate = torch.sigmoid(safe_lse - attn_sink.to(compute_dtype))  # 1 / (1 + exp(sink - lse))
-    out = torch.einsum("chk,ckd->chd", p, k) * gate.unsqueeze(-1)
+    gate = torch.sigmoid(safe_lse - attn_sink)  # 1 / (1 + exp(sink - lse))
+    out = torch.einsum("chk,ckd->chd", p, keys) * gate.unsqueeze(-1)
     out = torch.where(empty.unsqueeze(-1), 0.0, out)
-    lse = torch.where(empty, float("inf"), lse)
-    return out.to(torch.bfloat16), lse.float()
+    return out, torch.where(empty, float("inf"), lse)

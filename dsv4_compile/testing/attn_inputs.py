@@ -1,4 +1,5 @@
-"""Seeded inputs for ``dsv4::sparse_attn`` tests and benchmarks (STYLE habits 13, 14, 25).
+"""Seeded inputs for ``dsv4::sparse_attn`` tests and benchmarks: seeded generators, fragmented
+pools and adversarial index content, so a kernel meets what serving can hand it.
 
 Caches are written through the reference store (``reference.kv_store.store_model1``), so a kernel
 under test reads exactly the bytes the spec defines. Index lists are drawn from the whole pool
@@ -11,13 +12,15 @@ Shape legend: T = query rows, H = heads, K1 / K2 = SWA / extra index widths, P =
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .. import layout
+from ..attention import KVSet, op_args
 from ..config import HEAD_DIM
 from ..reference.kv_store import store_model1
+from ..reference.sparse_attn import attend, gather_rows
 
 EXTRA_PAGE_SIZE = {"c4": layout.C4_PAGE_SIZE, "c128": layout.C128_PAGE_SIZE}
 _MAX_DISTINCT_SLOTS = 1 << 21  # beyond this many entries, rows share one pool (memory bound)
@@ -26,29 +29,34 @@ _INT32_MIN, _INT32_MAX = -(1 << 31), (1 << 31) - 1
 
 @dataclass
 class AttnInputs:
-    """Arguments of ``dsv4::sparse_attn`` in op order (see :meth:`args`)."""
+    """Arguments of ``attention.sparse_attn`` (see :meth:`args`)."""
 
     q: torch.Tensor  # [T, H, 512] bf16
-    swa_cache: torch.Tensor  # [N_pages, page_bytes] uint8, MODEL1 pages of 256
-    swa_page_size: int
-    swa_indices: torch.Tensor  # [T, K1] int32 slots
-    swa_lengths: torch.Tensor  # [T] int32
-    extra_cache: torch.Tensor | None  # [N_pages, page_bytes] uint8, MODEL1 pages of 64 or 2
-    extra_page_size: int
-    extra_indices: torch.Tensor | None  # [T, K2] int32 slots
-    extra_lengths: torch.Tensor | None  # [T] int32
+    swa: KVSet  # MODEL1 pages of 256; indices [T, K1] int32, lengths [T] int32
+    extra: KVSet | None  # MODEL1 pages of 64 or 2; indices [T, K2] int32, lengths [T] int32
     attn_sink: torch.Tensor  # [H] fp32
     softmax_scale: float
 
     def args(self) -> tuple:
-        return (self.q, self.swa_cache, self.swa_page_size, self.swa_indices, self.swa_lengths,
-                self.extra_cache, self.extra_page_size, self.extra_indices, self.extra_lengths,
-                self.attn_sink, self.softmax_scale)
+        """``(q, swa, extra, attn_sink, softmax_scale)``: ``attention.sparse_attn``'s arguments,
+        and the reference's and the kernels'."""
+        return self.q, self.swa, self.extra, self.attn_sink, self.softmax_scale
+
+    def op_args(self) -> tuple:
+        """The 11 positional arguments of the ``dsv4::sparse_attn`` op (and its FlashMLA twin)."""
+        return op_args(*self.args())
+
+    def kv_sets(self) -> list[KVSet]:
+        return [self.swa] if self.extra is None else [self.swa, self.extra]
 
     def entries_per_row(self) -> int:
         """Index width per row (SWA + extra): the entries a full-length row gathers."""
-        extra = 0 if self.extra_indices is None else self.extra_indices.shape[1]
-        return self.swa_indices.shape[1] + extra
+        return sum(kv.indices.shape[1] for kv in self.kv_sets())
+
+    def with_int64_indices(self) -> AttnInputs:
+        """The same inputs with int64 index lists and lengths."""
+        wide = [kv._replace(indices=kv.indices.long(), lengths=kv.lengths.long()) for kv in self.kv_sets()]
+        return replace(self, swa=wide[0], extra=wide[1] if self.extra is not None else None)
 
 
 def random_keys(n: int, gen: torch.Generator, device) -> torch.Tensor:
@@ -62,7 +70,7 @@ def make_model1_cache(num_slots: int, page_size: int, gen: torch.Generator, devi
     """A MODEL1 cache with at least ``num_slots`` slots, every slot holding a random key.
 
     Returns ``[N_pages, page_bytes] uint8`` with ``N_pages = ceil(num_slots / P) + 1`` (the pool's
-    spare page, SPEC §2); padding bytes are zero.
+    spare page, docs/semantics.md §2); padding bytes are zero.
     """
     num_pages = -(-num_slots // page_size) + 1
     cache = torch.zeros(num_pages, layout.model1_page_bytes(page_size), dtype=torch.uint8, device=device)
@@ -73,9 +81,9 @@ def make_model1_cache(num_slots: int, page_size: int, gen: torch.Generator, devi
     return cache
 
 
-def _index_set(rows: int, width: int, page_size: int, capacity_hint: int | None, gen, device, *,
-               holes: float, ragged: bool, sentinels: bool, empty_rows: int):
-    """Cache, ``indices [rows, width] int32`` and ``lengths [rows] int32`` for one index set."""
+def _random_kv_set(rows: int, width: int, page_size: int, capacity_hint: int | None, gen, device, *,
+                   holes: float, ragged: bool, sentinels: bool, empty_rows: int) -> KVSet:
+    """A cache with ``indices [rows, width] int32`` and ``lengths [rows] int32`` into it."""
     distinct = rows * width
     capacity = capacity_hint or min(distinct, _MAX_DISTINCT_SLOTS)
     cache = make_model1_cache(capacity, page_size, gen, device)
@@ -97,7 +105,7 @@ def _index_set(rows: int, width: int, page_size: int, capacity_hint: int | None,
         lengths[0] = width + 7  # longer than the list: clamps to the width
     if empty_rows:
         lengths[-empty_rows:] = 0
-    return cache, idx.to(torch.int32), lengths.to(torch.int32)
+    return KVSet(cache, page_size, idx.to(torch.int32), lengths.to(torch.int32))
 
 
 def make_attn_inputs(num_rows: int, num_heads: int, *, extra: str | None = "c4", swa_width: int = 128,
@@ -114,60 +122,40 @@ def make_attn_inputs(num_rows: int, num_heads: int, *, extra: str | None = "c4",
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     kw = dict(holes=holes, ragged=ragged, sentinels=sentinels, empty_rows=empty_rows)
-    swa_cache, swa_idx, swa_len = _index_set(num_rows, swa_width, layout.SWA_PAGE_SIZE, swa_capacity,
-                                             gen, device, **kw)
-    extra_cache = extra_idx = extra_len = None
-    extra_page_size = 0
+    swa = _random_kv_set(num_rows, swa_width, layout.SWA_PAGE_SIZE, swa_capacity, gen, device, **kw)
+    extra_set = None
     if extra is not None:
-        extra_page_size = EXTRA_PAGE_SIZE[extra]
-        extra_cache, extra_idx, extra_len = _index_set(num_rows, extra_width, extra_page_size,
-                                                       extra_capacity, gen, device, **kw)
-    if invalid_rows:
-        swa_idx[:invalid_rows] = -1
-        if extra_idx is not None:
-            extra_idx[:invalid_rows] = -1
+        extra_set = _random_kv_set(num_rows, extra_width, EXTRA_PAGE_SIZE[extra], extra_capacity, gen, device,
+                                   **kw)
+    for kv in (swa, extra_set):
+        if kv is not None:
+            kv.indices[:invalid_rows] = -1
     q = torch.randn(num_rows, num_heads, HEAD_DIM, generator=gen, device=device).to(torch.bfloat16)
     sink = torch.randn(num_heads, generator=gen, device=device)
     if special_sink:
         sink[0], sink[1 % num_heads] = float("inf"), float("-inf")
-    return AttnInputs(q, swa_cache, layout.SWA_PAGE_SIZE, swa_idx, swa_len, extra_cache, extra_page_size,
-                      extra_idx, extra_len, sink, HEAD_DIM ** -0.5)
+    return AttnInputs(q, swa, extra_set, sink, HEAD_DIM ** -0.5)
 
 
-# -- comparison against an fp64 golden (STYLE habit 11) --------------------------------------------
+# -- comparison against an fp64 golden ------------------------------------------------------------
+# A kernel's error against an fp64 golden is compared with the eager reference's error against the
+# same golden, so the bar follows the inputs' own rounding instead of a fixed tolerance.
 _GOLDEN_ROW_KEYS = 1 << 15  # rows x keys per fp64 chunk (each key 512 fp64)
 OUT_FLOOR = 2.0 ** -8  # bf16 output: about one ulp, relative to the golden's magnitude
 LSE_FLOOR = 64 * torch.finfo(torch.float32).eps  # fp32 lse: reduction-order and exp2/log2 slack
 
 
 def golden_sparse_attn(inp: AttnInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """SPEC §4.4 in fp64 on the same quantised cache entries, without the final roundings of the
-    reference: ``out [T, H, 512] fp64``, ``lse [T, H] fp64`` (+inf for rows without valid keys)."""
-    from ..reference.kv_store import gather_model1
-
-    sets = [(inp.swa_cache, inp.swa_page_size, inp.swa_indices, inp.swa_lengths)]
-    if inp.extra_cache is not None:
-        sets.append((inp.extra_cache, inp.extra_page_size, inp.extra_indices, inp.extra_lengths))
+    """docs/semantics.md §4.4 in fp64 on the same quantised cache entries, without the final
+    roundings of the reference: ``out [T, H, 512] fp64``, ``lse [T, H] fp64`` (+inf for rows
+    without valid keys)."""
     chunk = max(1, _GOLDEN_ROW_KEYS // inp.entries_per_row())
     outs, lses = [], []
     for lo in range(0, inp.q.shape[0], chunk):
-        keys, valid = [], []
-        for cache, page_size, idx, lens in sets:
-            idx, lens = idx[lo:lo + chunk].long(), lens[lo:lo + chunk].long()
-            m = torch.arange(idx.shape[1], device=idx.device)
-            ok = (m < lens[:, None]) & (idx >= 0) & (idx < cache.shape[0] * page_size)
-            keys.append(gather_model1(cache, torch.where(ok, idx, -1), page_size).double())
-            valid.append(ok)
-        k, ok = torch.cat(keys, 1), torch.cat(valid, 1)  # [C, K, 512], [C, K]
-        logits = torch.einsum("chd,ckd->chk", inp.q[lo:lo + chunk].double(), k) * inp.softmax_scale
-        logits = logits.masked_fill(~ok[:, None, :], float("-inf"))
-        lse = torch.logsumexp(logits, -1)  # [C, H]
-        empty = torch.isneginf(lse)
-        safe = torch.where(empty, 0.0, lse)
-        gate = torch.sigmoid(safe - inp.attn_sink.double())
-        out = torch.einsum("chk,ckd->chd", torch.exp(logits - safe[..., None]), k) * gate[..., None]
-        outs.append(torch.where(empty[..., None], 0.0, out))
-        lses.append(torch.where(empty, float("inf"), lse))
+        keys, valid = gather_rows(inp.kv_sets(), lo, lo + chunk, torch.float64)
+        out, lse = attend(inp.q[lo:lo + chunk].double(), keys, valid, inp.attn_sink.double(), inp.softmax_scale)
+        outs.append(out)
+        lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
 
 

@@ -6,7 +6,7 @@ Factories take a ``torch.Generator`` on the target device. Indexer caches come i
 codes with random scales (fast to build at 1M-token capacity; benchmarks). Page tables are drawn
 from a shuffled pool (fragmented pages, page 0 reserved).
 
-Selection regret (STYLE habit 12): with fp64 logits ``L`` of the visible entries, a top-k set
+Selection regret: with fp64 logits ``L`` of the visible entries, a top-k set
 ``S`` has boundary regret ``max(0, max_{j not in S} L_j - min_{j in S} L_j)``; an exact top-k has 0.
 
 Shape legend: T = rows, H = indexer heads, NP = pages per row, K = topk, Wc = coff * d.
@@ -74,7 +74,7 @@ def compressor_golden(args: dict, rows_per_chunk: int = 256) -> torch.Tensor:
 
 def check_compress_kv(run, args: dict) -> torch.Tensor:
     """Run ``run(**args)`` (kernel or op) and the reference on a copy of the state; assert the
-    window-completing rows' entries are three-way close (STYLE habit 11: kernel error <= 2 x the
+    window-completing rows' entries are three-way close (kernel error <= 2 x the
     reference's error vs the fp64 golden + a floor of 2^-9 x rms), every row is finite, and the
     rings are equal (except the dummy request 0's: every padding row writes its ring row 0, and
     which one lands last is unspecified).
@@ -175,6 +175,25 @@ def row_logits64(args: dict, r: int) -> tuple[torch.Tensor, float]:
     return torch.where(visible, logits, float("-inf")), float(scale)
 
 
+def plant_topk_margin(args: dict, row: int, budget_rel: float, factor: float = 8.0) -> None:
+    """Give row ``row`` of ``indexer_topk(**args)`` (``visible > topk``) a top-k set that stands
+    apart: its ``topk`` best entries take the fp8 codes of its best entry and ``factor`` times that
+    entry's scale, so their logits are ``factor`` times the row's largest. Asserts the margin at
+    the K-th logit then exceeds ``budget_rel`` x the row's rounding scale (``check_topk``)."""
+    page = layout.INDEX_PAGE_SIZE
+    logits, _ = row_logits64(args, row)
+    top = logits.topk(args["topk"]).indices
+    pages, offsets = args["page_table"][row].long()[top // page], top % page
+    vals, scales = index_page_views(args["index_cache"])
+    best_page, best_off = pages[0], offsets[0]
+    assert logits[top[0]] > 0, "the row's largest logit must be positive"
+    vals[pages, offsets] = vals[best_page, best_off].clone()
+    scales[pages, offsets] = factor * scales[best_page, best_off].clone()
+    logits, scale = row_logits64(args, row)
+    ranked = logits.topk(args["topk"] + 1).values
+    assert ranked[-2] - ranked[-1] > budget_rel * scale, "planted margin below the budget"
+
+
 def slots_to_entries(selected: torch.Tensor, page_table: torch.Tensor) -> list[list[int]]:
     """Visible-entry indices ``j`` of each row's selected c4 slots (``-1`` dropped; unknown slots
     map to ``-1`` so that invariant checks can catch them)."""
@@ -217,7 +236,7 @@ def boundary_regret(logits64: torch.Tensor, entries: list[int]) -> float:
 
 
 def check_topk(args: dict, got: torch.Tensor, budget_rel: float) -> int:
-    """Check ``got = indexer_topk(**args)`` against the reference (STYLE habit 12): invariants on
+    """Check ``got = indexer_topk(**args)`` against the reference: invariants on
     every row; rows with ``visible <= K`` equal the reference (all visible entries, in order);
     other rows have an fp64 boundary regret <= the reference's + ``budget_rel`` x the row's rounding
     scale, and the exact top-k set where the fp64 margin at the K-th logit exceeds that budget.

@@ -1,4 +1,4 @@
-"""Triton kernels of ``dsv4::compress_kv`` (SPEC §4.2, §2.5): window pooling + RMSNorm + RoPE
+"""Triton kernels of ``dsv4::compress_kv`` (docs/semantics.md §4.2, §2.5): window pooling + RMSNorm + RoPE
 (+ Hadamard), then the state-ring update.
 
 Two launches, because a long prefill writes ring rows that other rows of the same step still read
@@ -10,17 +10,17 @@ Two launches, because a long prefill writes ring rows that other rows of the sam
   tokens from this step's ``kv`` / ``score`` (+ ape), earlier ones from the ring — and compute
   ``softmax_slot(score) . kv`` per channel with an online softmax over slot blocks, newest block
   first (it holds the row's own token, so the running max is finite from the first block on),
-  into the fp32 workspace ``[T, d]``; other rows are skipped. (``_pool_window``: one window.)
-* ``_finish_kernel`` (grid ``[T]``): window rows read their pooled row and apply ``bf16 ->
+  into the fp32 buffer ``pooled [T, d]``; other rows are skipped. (``_pool_window``: one window.)
+* ``_entry_kernel`` (grid ``[T]``): window rows read their pooled row and apply ``bf16 ->
   RMSNorm * w -> bf16 -> RoPE -> bf16 [-> Hadamard -> bf16]``, the same rounding points as the
   reference; other rows store zeros (their out slot is -1: never stored). Rows among their
   request's last ``ring`` positions also write ``[kv | score + ape]`` to ring row
   ``req * ring + p % ring`` (loaded first, so those loads overlap the entry's).
 
 Decode-sized launches use programmatic dependent launch (``launch_compress_kv``'s ``pdl``), so
-the finish kernel's programs start and load their inputs while the pool drains.
+the entry kernel's programs start and load their inputs while the pool drains.
 
-The finish stage takes channels as even / odd halves (columns ``2k`` and ``2k + 1``), so a RoPE
+The entry kernel takes channels as even / odd halves (columns ``2k`` and ``2k + 1``), so a RoPE
 pair sits in the same lane of two vectors and the first Hadamard butterfly is a sum / difference:
 ``WHT_d(y)[2m + b] = sum_k (y[2k] + (-1)^b y[2k+1]) H_{d/2}[k, m]``.
 
@@ -31,35 +31,17 @@ G / CB = rows / channels per pool program.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from ...reference.compressor import window_slots
-from ._launch import INTERPRET, has_pdl, unit_stride
+from .host import INTERPRET, has_pdl, unit_stride
+from .primitives import hadamard_pm1, softmax_rescale, to_bf16
 
 _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills above
-
-
-@triton.jit
-def hadamard_pm1(n: tl.constexpr):
-    """``[n, n]`` fp32 Sylvester Hadamard matrix: ``(-1) ** popcount(i & j)`` (n a power of two)."""
-    p = tl.arange(0, n)[:, None] & tl.arange(0, n)[None, :]
-    for level in tl.static_range(3, -1, -1):  # parity: fold the high half of the bits onto the low
-        if (1 << (1 << level)) < n:  # bits at or above 2^level exist
-            p = p ^ (p >> (1 << level))
-    return (1 - 2 * (p & 1)).to(tl.float32)
-
-
-@triton.jit
-def _to_bf16(x, SOFT: tl.constexpr):
-    """fp32 -> bf16, round to nearest even (the interpreter's cast truncates: there the rounding
-    is done on the integer bits, after which the cast is exact)."""
-    if SOFT:
-        bits = x.to(tl.int32, bitcast=True)
-        x = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return x.to(tl.bfloat16)
 
 
 @triton.jit
@@ -92,23 +74,20 @@ def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_star
                               state_ptr + rrow[:, None] * stride_state + WC) + c,
                      mask=live[:, None], other=float("-inf"))  # slots before position 0: weight 0
         sc += tl.load(ape_ptr + (tt % RATIO)[:, None] * stride_ape + c, mask=step_m, other=0.0)
-        m_new = tl.maximum(m, tl.max(sc, axis=0))
-        alpha = tl.exp(m - m_new)
-        e = tl.exp(sc - m_new[None, :])
+        m, alpha, e = softmax_rescale(m, sc, 0, True)
         den = den * alpha + tl.sum(e, axis=0)
         acc = acc * alpha + tl.sum(e * a, axis=0)
-        m = m_new
     return tl.math.div_rn(acc, den)
 
 
 @triton.jit
-def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_ptr, ws_ptr, num_rows,
+def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_ptr, pooled_ptr, num_rows,
                  stride_kv, stride_score, stride_ape, stride_state,
                  D: tl.constexpr, WC: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
                  S: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
     """Pooled fp32 channels ``[CB]`` (block ``program_id(1)``) of the windows ending on rows
-    ``program_id(0) * G + [0, G)``, into ``ws [T, d]``."""
-    if PDL:  # launched as a dependent: inputs are final past the wait; the finish may launch after it
+    ``program_id(0) * G + [0, G)``, into ``pooled [T, d]``."""
+    if PDL:  # launched as a dependent: inputs are final past the wait; the entry kernel may launch after it
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
@@ -127,16 +106,16 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
         pooled = _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, tl.sum(tl.where(this, ps, 0), 0),
                               tl.sum(tl.where(this, reqs, 0), 0), tl.sum(tl.where(this, starts, 0), 0), cols,
                               stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
-        tl.store(ws_ptr + row.to(tl.int64) * D + cols, pooled)
+        tl.store(pooled_ptr + row.to(tl.int64) * D + cols, pooled)
 
 
 @triton.jit
-def _finish_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr, w_ptr,
-                   inv_freq_ptr, ws_ptr, out_ptr, eps, stride_kv, stride_score, stride_ape,
-                   stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
-                   RATIO: tl.constexpr, RING: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
-                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Entry ``out[row] [d] bf16`` from the pooled ``ws[row]``, then the row's ring write."""
+def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr, w_ptr,
+                  inv_freq_ptr, pooled_ptr, out_ptr, eps, stride_kv, stride_score, stride_ape,
+                  stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
+                  RATIO: tl.constexpr, RING: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
+                  SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
+    """Entry ``out[row] [d] bf16`` from ``pooled[row]``, then the row's ring write."""
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
     p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
@@ -147,36 +126,36 @@ def _finish_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_
     kv = tl.load(kv_ptr + r64 * stride_kv + c, mask=keep)
     sc = tl.load(score_ptr + r64 * stride_score + c, mask=keep)
     sc += tl.load(ape_ptr + (p % RATIO) * stride_ape + c, mask=keep)
-    if PDL:  # the pool has read the ring and written ws past the wait (its inputs, loaded above, were final)
+    if PDL:  # the pool has read the ring and written pooled past the wait (its inputs, loaded above, were final)
         tl.extra.cuda.gdc_wait()
     k = tl.arange(0, D // 2)
     out_row = out_ptr + r64 * stride_out
     if (p + 1) % RATIO == 0:
         # every load first (the compiler keeps source order around the norm's reductions)
-        ev = tl.load(ws_ptr + r64 * D + 2 * k)
-        od = tl.load(ws_ptr + r64 * D + 2 * k + 1)
+        ev = tl.load(pooled_ptr + r64 * D + 2 * k)
+        od = tl.load(pooled_ptr + r64 * D + 2 * k + 1)
         w_ev = tl.load(w_ptr + 2 * k).to(tl.float32)
         w_od = tl.load(w_ptr + 2 * k + 1).to(tl.float32)
         f = k - (D // 2 - 32)  # RoPE on the last 64 dims: pairs k >= d/2 - 32
         is_rope = f >= 0
         freq = tl.load(inv_freq_ptr + tl.maximum(f, 0), mask=is_rope, other=0.0)
         # RMSNorm of the bf16-rounded entry, times the weight, rounded to bf16 (reference order)
-        ev = _to_bf16(ev, SOFT_BF16).to(tl.float32)
-        od = _to_bf16(od, SOFT_BF16).to(tl.float32)
+        ev = to_bf16(ev, SOFT_BF16).to(tl.float32)
+        od = to_bf16(od, SOFT_BF16).to(tl.float32)
         inv_rms = tl.rsqrt((tl.sum(ev * ev, 0) + tl.sum(od * od, 0)) * (1.0 / D) + tl.cast(eps, tl.float32))
-        ev = _to_bf16(ev * inv_rms * w_ev, SOFT_BF16).to(tl.float32)
-        od = _to_bf16(od * inv_rms * w_od, SOFT_BF16).to(tl.float32)
+        ev = to_bf16(ev * inv_rms * w_ev, SOFT_BF16).to(tl.float32)
+        od = to_bf16(od * inv_rms * w_od, SOFT_BF16).to(tl.float32)
         # RoPE at the window start p - r + 1
         ang = tl.cast(p - RATIO + 1, tl.float32) * freq
         cos, sin = tl.cos(ang), tl.sin(ang)
-        ev, od = (_to_bf16(tl.where(is_rope, ev * cos - od * sin, ev), SOFT_BF16),
-                  _to_bf16(tl.where(is_rope, ev * sin + od * cos, od), SOFT_BF16))
+        ev, od = (to_bf16(tl.where(is_rope, ev * cos - od * sin, ev), SOFT_BF16),
+                  to_bf16(tl.where(is_rope, ev * sin + od * cos, od), SOFT_BF16))
         if ROTATE:  # WHT_d / sqrt(d): first butterfly here, the d/2 Hadamard as a matrix product
             hm = hadamard_pm1(D // 2)
             s_ev = (ev.to(tl.float32) + od.to(tl.float32))[:, None]
             s_od = (ev.to(tl.float32) - od.to(tl.float32))[:, None]
-            ev = _to_bf16(tl.sum(s_ev * hm, axis=0) * HSCALE, SOFT_BF16)
-            od = _to_bf16(tl.sum(s_od * hm, axis=0) * HSCALE, SOFT_BF16)
+            ev = to_bf16(tl.sum(s_ev * hm, axis=0) * HSCALE, SOFT_BF16)
+            od = to_bf16(tl.sum(s_od * hm, axis=0) * HSCALE, SOFT_BF16)
         tl.store(out_row + 2 * k, ev)
         tl.store(out_row + 2 * k + 1, od)
     else:  # no window completes here: the row is never stored; keep it finite
@@ -188,9 +167,17 @@ def _finish_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_
     tl.store(dst + WC + c, sc, mask=keep)
 
 
-def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]:
-    """(rows G, channels CB, slots per online-softmax block SB, warps) of a pool program, by
-    compressor and launch size (decode / verify batches up to ``_DECODE_MAX_ROWS`` rows, else
+class PoolShape(NamedTuple):
+    """Tuning of a pool program."""
+
+    rows: int  # G, rows walked
+    channels: int  # CB
+    slot_block: int  # SB, slots per online-softmax block
+    warps: int
+
+
+def _pool_config(ratio: int, d: int, num_rows: int) -> PoolShape:
+    """The :class:`PoolShape` of a pool program, by compressor and launch size (decode / verify batches up to ``_DECODE_MAX_ROWS`` rows, else
     prefill). H200, b = 256 decode / T = 4096 prefill, µs for the whole op (bench_ops.py):
 
     * c4 (8 slots, one block): decode one row per program, each of two programs half of the
@@ -207,11 +194,11 @@ def _pool_config(ratio: int, d: int, num_rows: int) -> tuple[int, int, int, int]
     slots = window_slots(ratio)
     decode = num_rows <= _DECODE_MAX_ROWS
     if INTERPRET:
-        return (1 if ratio == 4 else 8), d // 2, min(slots, 16), 1
+        return PoolShape(1 if ratio == 4 else 8, d // 2, min(slots, 16), 1)
     if ratio == 4:
         rows, cb = (1, d // 2) if decode else (2, d)
-        return rows, cb, slots, max(1, cb // 128)
-    return (16, 16, slots, 4) if decode else (128, 16, 16, 1)
+        return PoolShape(rows, cb, slots, max(1, cb // 128))
+    return PoolShape(16, 16, slots, 4) if decode else PoolShape(128, 16, 16, 1)
 
 
 def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape: torch.Tensor,
@@ -225,7 +212,7 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     inv_freq: [32] fp32. Arguments are validated by the op (``ops/compressor.py::_check``).
 
     ``pdl``: launch both kernels with programmatic dependent launch (sm_90+): the pool waits for
-    the previous kernel, then lets the finish launch, whose programs load their ring row and wait
+    the previous kernel, then lets the entry kernel launch, whose programs load their ring row and wait
     for the pool. Default (None): on sm_90+ for up to ``_DECODE_MAX_ROWS`` rows (H200, b = 256
     decode: c4 6.2 -> 5.0 µs, c4 indexer 5.9 -> 4.8, c128 8.4 -> 7.5; a 4096-row prefill is
     faster without it).
@@ -250,15 +237,15 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     slots = window_slots(ratio)
     strides = (kv.stride(0), score.stride(0), ape.stride(0), state.stride(0))
     pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
-    rows_per_prog, cb, sb, pool_warps = _pool_config(ratio, d, num_rows)
-    _pool_kernel[(triton.cdiv(num_rows, rows_per_prog), d // cb)](
+    pool = _pool_config(ratio, d, num_rows)
+    _pool_kernel[(triton.cdiv(num_rows, pool.rows), d // pool.channels)](
         kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, *strides, D=d,
-        WC=wc, RATIO=ratio, RING=ring, S=slots, SB=sb, CB=cb, G=rows_per_prog, PDL=pdl,
-        num_warps=pool_warps, launch_pdl=pdl)
-    _finish_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
-                                norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
-                                RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
-                                SOFT_BF16=INTERPRET, PDL=pdl,
-                                num_warps=max(2, d // 128),  # fewest instructions
-                                launch_pdl=pdl)
+        WC=wc, RATIO=ratio, RING=ring, S=slots, SB=pool.slot_block, CB=pool.channels, G=pool.rows, PDL=pdl,
+        num_warps=pool.warps, launch_pdl=pdl)
+    _entry_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
+                               norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
+                               RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
+                               SOFT_BF16=INTERPRET, PDL=pdl,
+                               num_warps=max(2, d // 128),  # fewest instructions
+                               launch_pdl=pdl)
     return out

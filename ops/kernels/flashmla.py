@@ -1,8 +1,9 @@
 """FlashMLA (pip ``sgl-flash-mla``, module ``flash_mla``) as an alternative CUDA implementation of
-``dsv4::sparse_attn`` — optional: imported lazily, nothing else depends on it (GPU.md).
+``dsv4::sparse_attn`` — optional: ``flash_mla`` is imported on first use and nothing else depends
+on it.
 
 FlashMLA reads the same MODEL1 cache bytes through its "V4" view ``[N_pages, P, 1, 584]`` whose
-``stride(0)`` is the padded page size (SPEC §2.2; the per-token 584-byte rows of that view are not
+``stride(0)`` is the padded page size (docs/semantics.md §2.2; the per-token 584-byte rows of that view are not
 tokens, FlashMLA addresses the real page layout through the page stride). Its contract differs
 from ours in three places that this wrapper bridges:
 
@@ -22,9 +23,14 @@ import torch
 import triton
 import triton.language as tl
 
+from typing import TYPE_CHECKING
+
 from ... import layout
 from ...config import HEAD_DIM
-from ._launch import unit_stride
+from .host import unit_stride
+
+if TYPE_CHECKING:
+    from ...attention import KVSet
 
 
 @functools.lru_cache(maxsize=None)
@@ -64,9 +70,10 @@ def _sanitize_kernel(idx_ptr, len_ptr, out_idx_ptr, out_len_ptr, width, capacity
         tl.store(out_idx_ptr + row * width + c, tl.where(ok, idx, -1).to(tl.int32), mask=c < width)
 
 
-def _index_set(indices: torch.Tensor, lengths: torch.Tensor, capacity: int):
-    """``indices [T, K]`` -> ``[T, 1, K]`` int32 with every invalid index -1, lengths clamped to
-    ``[0, K]`` int32: one launch (element-wise torch ops cost one launch each)."""
+def _sanitized_indices(kv: KVSet) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv.indices [T, K]`` -> ``[T, 1, K]`` int32 with every invalid index -1, and ``kv.lengths``
+    clamped to ``[0, K]`` int32: one launch (element-wise torch ops cost one launch each)."""
+    indices, lengths, capacity = kv.indices, kv.lengths, kv.capacity
     T, K = indices.shape
     idx = torch.empty(T, 1, K, dtype=torch.int32, device=indices.device)
     lens = torch.empty(T, dtype=torch.int32, device=indices.device)
@@ -84,13 +91,10 @@ def padded_heads(num_heads: int) -> int:
     return 64 if num_heads <= 64 else 128
 
 
-def flashmla_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int,
-                         swa_indices: torch.Tensor, swa_lengths: torch.Tensor,
-                         extra_cache: torch.Tensor | None, extra_page_size: int,
-                         extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None,
-                         attn_sink: torch.Tensor, softmax_scale: float, *, sched_meta=None
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dsv4::sparse_attn`` through ``flash_mla.flash_mla_with_kvcache`` (arguments already checked).
+def flashmla_sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: torch.Tensor,
+                         softmax_scale: float, *, sched_meta=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4::sparse_attn`` through ``flash_mla.flash_mla_with_kvcache``; arguments as
+    ``attention.sparse_attn`` (already checked).
 
     Returns ``out [T, H, 512] bf16`` and ``lse [T, H] fp32`` (natural log, sink excluded, +inf for
     rows without valid keys). ``sched_meta``: a ``FlashMLASchedMeta`` to reuse across calls with
@@ -107,15 +111,15 @@ def flashmla_sparse_attn(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size
     if hp != H:
         q = torch.nn.functional.pad(q, (0, 0, 0, hp - H))
         attn_sink = torch.cat([attn_sink, attn_sink.new_full((hp - H,), float("-inf"))])
-    idx, lens = _index_set(swa_indices, swa_lengths, swa_cache.shape[0] * swa_page_size)
-    extra = dict(extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
-    if extra_cache is not None:
-        ex_idx, ex_lens = _index_set(extra_indices, extra_lengths, extra_cache.shape[0] * extra_page_size)
-        extra = dict(extra_k_cache=cache_view(extra_cache, extra_page_size),
-                     extra_indices_in_kvcache=ex_idx, extra_topk_length=ex_lens)
+    idx, lens = _sanitized_indices(swa)
+    extra_kw = dict(extra_k_cache=None, extra_indices_in_kvcache=None, extra_topk_length=None)
+    if extra is not None:
+        ex_idx, ex_lens = _sanitized_indices(extra)
+        extra_kw = dict(extra_k_cache=cache_view(extra.cache, extra.page_size),
+                        extra_indices_in_kvcache=ex_idx, extra_topk_length=ex_lens)
     out, lse = fm.flash_mla_with_kvcache(
-        q.contiguous().unsqueeze(1), cache_view(swa_cache, swa_page_size), None, None, HEAD_DIM,
+        q.contiguous().unsqueeze(1), cache_view(swa.cache, swa.page_size), None, None, HEAD_DIM,
         sched_meta if sched_meta is not None else fm.get_mla_metadata()[0], None,
         softmax_scale=softmax_scale, is_fp8_kvcache=True, indices=idx, attn_sink=attn_sink.contiguous(),
-        topk_length=lens, use_legacy=True, kv_format="V4", **extra)
+        topk_length=lens, use_legacy=True, kv_format="V4", **extra_kw)
     return out[:, 0, :H].contiguous(), lse[:, :H, 0].contiguous()

@@ -1,4 +1,4 @@
-"""Triton kernels of the lightning indexer (SPEC §4.3): ``dsv4::indexer_prepare_q`` and
+"""Triton kernels of the lightning indexer (docs/semantics.md §4.3): ``dsv4::indexer_prepare_q`` and
 ``dsv4::indexer_topk``.
 
 ``indexer_prepare_q`` (grid ``[T, H / BH]``): RoPE on dims 64..127 at the row's position, the
@@ -35,9 +35,8 @@ import triton.language as tl
 
 from ... import layout
 from ...config import INDEX_HEAD_DIM
-from ._launch import INTERPRET, has_pdl, unit_stride
-from .compressor import hadamard_pm1
-from .kv_cache import _to_e4m3_bits
+from .host import INTERPRET, has_pdl, unit_stride
+from .primitives import hadamard_pm1, to_e4m3_bits
 from .topk_select import launch_topk_select
 
 _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: more pages in flight)
@@ -48,6 +47,10 @@ _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: mor
 _MIN_SCAN_PAGES = 4
 _MIN_SCAN_PAGES_LARGE = 8
 _LARGE_SCAN_PAGES = 4096
+_HALF = tl.constexpr(INDEX_HEAD_DIM // 2)
+_DIM = tl.constexpr(INDEX_HEAD_DIM)
+_FP8_MAX = tl.constexpr(layout.FP8_MAX)
+_EPS = tl.constexpr(layout.INDEX_SCALE_EPS)
 _PDL_MAX_SCORED = 1 << 17  # rows x capacity (entries) up to which scan and select chain under PDL
 _WORKSPACE_ELEMS = 1 << 25  # fp32 logits per workspace chunk (128 MiB); longer batches loop over rows
 
@@ -57,7 +60,7 @@ def _prepare_q_kernel(q_ptr, wts_ptr, pos_ptr, inv_freq_ptr, qo_ptr, wo_ptr, wei
                       stride_qt, stride_qh, stride_wt, stride_ot, stride_oh, stride_wot,
                       BH: tl.constexpr, HSCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                       SOFT_FP8: tl.constexpr):
-    HALF: tl.constexpr = 64  # INDEX_HEAD_DIM // 2
+    HALF: tl.constexpr = _HALF
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BH + tl.arange(0, BH)
     k = tl.arange(0, HALF)
@@ -77,9 +80,9 @@ def _prepare_q_kernel(q_ptr, wts_ptr, pos_ptr, inv_freq_ptr, qo_ptr, wo_ptr, wei
     y_ev = tl.dot(ev + od, hmat, input_precision=DOT_PRECISION) * HSCALE
     y_od = tl.dot(ev - od, hmat, input_precision=DOT_PRECISION) * HSCALE
     amax = tl.maximum(tl.max(tl.abs(y_ev), axis=1), tl.max(tl.abs(y_od), axis=1))
-    sigma = tl.math.div_rn(tl.maximum(amax, 1e-4), tl.full([BH], 448.0, tl.float32))
-    q_ev = _to_e4m3_bits(tl.clamp(tl.math.div_rn(y_ev, sigma[:, None]), -448.0, 448.0), SOFT_FP8)
-    q_od = _to_e4m3_bits(tl.clamp(tl.math.div_rn(y_od, sigma[:, None]), -448.0, 448.0), SOFT_FP8)
+    sigma = tl.math.div_rn(tl.maximum(amax, _EPS), tl.full([BH], _FP8_MAX, tl.float32))
+    q_ev = to_e4m3_bits(tl.clamp(tl.math.div_rn(y_ev, sigma[:, None]), -_FP8_MAX, _FP8_MAX), SOFT_FP8)
+    q_od = to_e4m3_bits(tl.clamp(tl.math.div_rn(y_od, sigma[:, None]), -_FP8_MAX, _FP8_MAX), SOFT_FP8)
     out = qo_ptr + row * stride_ot + h[:, None] * stride_oh
     tl.store(out + 2 * k[None, :], q_ev, mask=hm)
     tl.store(out + 2 * k[None, :] + 1, q_od, mask=hm)
@@ -112,14 +115,14 @@ def launch_indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: 
 
 
 @triton.jit
-def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, ws_ptr, mm_ptr,
+def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, workspace_ptr, mm_ptr,
                    row0, H, capacity, topk, num_splits, stride_qt, stride_qh, stride_wt, stride_pt,
-                   stride_page, stride_scale_page, stride_ws,
+                   stride_page, stride_scale_page, stride_workspace,
                    BH: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr,
                    DOT_F32: tl.constexpr, PDL: tl.constexpr):
     if PDL:  # the select's first kernel may launch now (it waits for this grid before reading)
         tl.extra.cuda.gdc_launch_dependents()
-    D: tl.constexpr = 128  # INDEX_HEAD_DIM
+    D: tl.constexpr = _DIM
     r = tl.program_id(0)
     split = tl.program_id(1)
     row = (row0 + r).to(tl.int64)
@@ -134,7 +137,7 @@ def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, ws_ptr, 
         w = tl.load(w_ptr + row * stride_wt + h, mask=h < H, other=0.0)  # [BH]
         if DOT_F32:  # the interpreter's fp8 dot path is exact but slow; fp32 is exact as well
             q = q.to(tl.float32)
-        ws_row = ws_ptr + r.to(tl.int64) * stride_ws
+        workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
         e = tl.arange(0, PAGE)
         for t in range(split, tl.cdiv(n, PAGE), num_splits):  # one page (64 contiguous entries) per tile
             page = tl.load(pt_ptr + row * stride_pt + t).to(tl.int64)
@@ -147,7 +150,7 @@ def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, ws_ptr, 
             logit = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1) * kappa
             j = t * PAGE + e
             valid = j < n
-            tl.store(ws_row + j, logit, mask=valid)
+            tl.store(workspace_row + j, logit, mask=valid)
             lo = tl.minimum(lo, tl.where(valid, logit, float("inf")))
             hi = tl.maximum(hi, tl.where(valid, logit, float("-inf")))
     mm = mm_ptr + (r * num_splits + split).to(tl.int64) * 2
@@ -167,14 +170,14 @@ def indexer_workspace(num_rows: int, capacity: int, device) -> tuple[torch.Tenso
 
 
 def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
-                          page_table: torch.Tensor, visible: torch.Tensor, topk: int, ws: torch.Tensor,
+                          page_table: torch.Tensor, visible: torch.Tensor, topk: int, workspace: torch.Tensor,
                           minmax: torch.Tensor, row0: int = 0, pdl: bool = False) -> None:
-    """Score rows ``row0 .. row0 + C`` (clipped to T) into ``ws[:, :visible]`` and ``minmax``
+    """Score rows ``row0 .. row0 + C`` (clipped to T) into ``workspace[:, :visible]`` and ``minmax``
     (buffers from :func:`indexer_workspace`); rows with ``visible <= topk`` are skipped.
     Arguments as in :func:`launch_indexer_topk` (page_table contiguous). ``pdl``: let the next
     kernel (the select's, launched with PDL) start early."""
     num_rows, num_heads, _ = q_fp8.shape
-    rows = min(ws.shape[0], num_rows - row0)
+    rows = min(workspace.shape[0], num_rows - row0)
     if rows <= 0:
         return
     if index_cache.stride(-1) != 1:
@@ -184,9 +187,9 @@ def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: tor
     scales = index_cache.view(torch.float32)  # [N_pages, 2112]: the fp32 scales live at 2048 + i
     splits = minmax.shape[1]
     _logits_kernel[(rows, splits)](
-        q_u8, w, index_cache, scales, page_table, visible, ws, minmax, row0, num_heads, ws.shape[1], topk,
-        splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0), index_cache.stride(0),
-        scales.stride(0), ws.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
+        q_u8, w, index_cache, scales, page_table, visible, workspace, minmax, row0, num_heads, workspace.shape[1],
+        topk, splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0), index_cache.stride(0),
+        scales.stride(0), workspace.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
         PAGE=layout.INDEX_PAGE_SIZE, SCALE_OFF=layout.INDEX_PAGE_SIZE * INDEX_HEAD_DIM // 4,
         DOT_F32=INTERPRET, PDL=pdl, num_warps=4, num_stages=6)  # H200: 80% of HBM at 128k-1M (60-66% with 3-4 stages)
 
@@ -210,12 +213,12 @@ def launch_indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch
     if capacity <= topk:  # no row can have more visible entries than topk: nothing to score
         launch_topk_select(None, None, page_table, visible, out, 0, topk, capacity, num_rows)
         return out
-    ws, minmax = indexer_workspace(num_rows, capacity, q_fp8.device)
+    workspace, minmax = indexer_workspace(num_rows, capacity, q_fp8.device)
     # small scans: the select's launches overlap the scan's and each other's tails (H200, b = 1
     # at 8k: 20.3 -> 18.6 µs); large ones run slower with PDL (b = 32 at 128k: 75 -> 90 µs)
     pdl = num_rows * capacity <= _PDL_MAX_SCORED and has_pdl(q_fp8.device)
-    for row0 in range(0, num_rows, ws.shape[0]):  # each chunk's scan waits for the last select
-        launch_indexer_logits(q_fp8, w, index_cache, page_table, visible, topk, ws, minmax, row0, pdl=pdl)
-        launch_topk_select(ws, minmax, page_table, visible, out, row0, topk, capacity,
-                           min(ws.shape[0], num_rows - row0), pdl=pdl)
+    for row0 in range(0, num_rows, workspace.shape[0]):  # each chunk's scan waits for the last select
+        launch_indexer_logits(q_fp8, w, index_cache, page_table, visible, topk, workspace, minmax, row0, pdl=pdl)
+        launch_topk_select(workspace, minmax, page_table, visible, out, row0, topk, capacity,
+                           min(workspace.shape[0], num_rows - row0), pdl=pdl)
     return out

@@ -1,4 +1,4 @@
-"""Triton kernels for the paged cache writes and reads (SPEC §2.2, §2.3, §4.1).
+"""Triton kernels for the paged cache writes and reads (docs/semantics.md §2.2, §2.3, §4.1).
 
 ``launch_store_kv`` / ``launch_dequant_kv``: MODEL1 token packs (attention caches);
 ``launch_store_index_k``: indexer key packs. One program per row; byte layouts from ``layout.py``.
@@ -16,42 +16,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import layout as L
+from ... import layout
 from ...config import HEAD_DIM, INDEX_HEAD_DIM, NOPE_DIM, ROPE_DIM
-from ._launch import INTERPRET
-
-
-@triton.jit
-def _ceil_log2(x):
-    """Exact ``ceil(log2(x))`` (int32) of positive normal fp32 ``x``, from its bits."""
-    bits = x.to(tl.int32, bitcast=True)
-    return (bits >> 23) - 127 + ((bits & 0x7FFFFF) != 0).to(tl.int32)
-
-
-@triton.jit
-def _e4m3_rne_bits(x):
-    """float8_e4m3fn bits (uint8) of finite fp32 ``|x| <= 448``, round-to-nearest-even."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = ((bits >> 31) & 1) << 7
-    a = bits & 0x7FFFFFFF
-    # normal range [2**-6, 448]: drop 20 mantissa bits with RNE; a carry bumps the exponent
-    normal = ((a + 0x7FFFF + ((a >> 20) & 1)) >> 20) - ((127 - 7) << 3)
-    # subnormal range: integer multiple of 2**-9, from the 24-bit significand
-    mant = (a & 0x7FFFFF) | 0x800000
-    shift = tl.minimum(14 - ((a >> 23) - 127), 31)
-    sub = (mant + (1 << (shift - 1)) - 1 + ((mant >> shift) & 1)) >> shift
-    return (tl.where(a >= 0x3C800000, normal, sub) | sign).to(tl.uint8)
-
-
-@triton.jit
-def _to_e4m3_bits(x, SOFT_FP8: tl.constexpr):
-    """``x`` (fp32, clamped to +-448) as float8_e4m3fn bits (uint8). ``SOFT_FP8`` (launchers pass
-    it under the interpreter, whose fp32 -> fp8 cast mis-rounds when the mantissa carries into the
-    exponent and can halve a value): the cast in integer arithmetic, which is exact everywhere."""
-    if SOFT_FP8:
-        return _e4m3_rne_bits(x)
-    else:
-        return x.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+from .host import INTERPRET
+from .primitives import ceil_log2, to_e4m3_bits
 
 
 @triton.jit
@@ -78,7 +46,7 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride
                      NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
                      NUM_TILES: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
                      BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Row n of ``k [N, 512] bf16`` -> MODEL1 bytes of slot ``slots[n]`` (SPEC §2.2)."""
+    """Row n of ``k [N, 512] bf16`` -> MODEL1 bytes of slot ``slots[n]`` (docs/semantics.md §2.2)."""
     tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
     tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
     row = tl.program_id(0).to(tl.int64)
@@ -89,11 +57,11 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride
     col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64] element index
     x = tl.load(k_ptr + row * stride_kn + col * stride_kd).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)  # [8]
-    exponent = _ceil_log2(tl.math.div_rn(amax, FP8_MAX))
+    exponent = ceil_log2(tl.math.div_rn(amax, FP8_MAX))
     is_nope = tile < NUM_TILES
     # 2**-exponent from its bits (exact; the rope tile's value is unused)
     inv_scale = (tl.where(is_nope, 127 - exponent, 127) << 23).to(tl.float32, bitcast=True)
-    fp8 = _to_e4m3_bits(tl.clamp(x * inv_scale[:, None], -FP8_MAX, FP8_MAX), SOFT_FP8)
+    fp8 = to_e4m3_bits(tl.clamp(x * inv_scale[:, None], -FP8_MAX, FP8_MAX), SOFT_FP8)
     tl.store(data_ptr + col, fp8, mask=is_nope[:, None] & valid)
 
     r = tl.arange(0, ROPE)
@@ -136,14 +104,14 @@ def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, stride_page, stride_on,
 def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
                           PAGE: tl.constexpr, DIM: tl.constexpr, FP8_MAX: tl.constexpr,
                           EPS: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]`` (SPEC §2.3)."""
+    """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]`` (docs/semantics.md §2.3)."""
     row = tl.program_id(0).to(tl.int64)
     valid, page, off = _slot_page(slots_ptr, row, PAGE)
     page_ptr = cache_ptr + page * stride_page
     d = tl.arange(0, DIM)
     v = tl.load(k_ptr + row * stride_kn + d * stride_kd).to(tl.float32)
     sigma = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), EPS), FP8_MAX)
-    fp8 = _to_e4m3_bits(tl.clamp(tl.math.div_rn(v, sigma), -FP8_MAX, FP8_MAX), SOFT_FP8)
+    fp8 = to_e4m3_bits(tl.clamp(tl.math.div_rn(v, sigma), -FP8_MAX, FP8_MAX), SOFT_FP8)
     tl.store(page_ptr + off * DIM + d, fp8, mask=valid)
     scale_ptr = (page_ptr + PAGE * DIM + off * 4).to(tl.pointer_type(tl.float32))  # 4-aligned
     tl.store(scale_ptr, sigma, mask=valid)
@@ -155,8 +123,8 @@ def _check_page_rows(cache: torch.Tensor) -> None:
 
 
 def _model1_constants() -> dict:
-    return dict(DATA_BYTES=L.TOKEN_DATA_BYTES, SCALE_BYTES=L.TOKEN_SCALE_BYTES, NOPE=NOPE_DIM,
-                ROPE=ROPE_DIM, TILE=L.FP8_TILE, NUM_TILES=L.NUM_TILES, BIAS=L.UE8M0_BIAS)
+    return dict(DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.TOKEN_SCALE_BYTES, NOPE=NOPE_DIM,
+                ROPE=ROPE_DIM, TILE=layout.FP8_TILE, NUM_TILES=layout.NUM_TILES, BIAS=layout.UE8M0_BIAS)
 
 
 def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
@@ -167,7 +135,7 @@ def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, p
         return
     _store_kv_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        FP8_MAX=L.FP8_MAX, EPS=L.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
+        FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
         num_warps=4)
 
 
@@ -191,5 +159,5 @@ def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tens
         return
     _store_index_k_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        DIM=INDEX_HEAD_DIM, FP8_MAX=L.FP8_MAX, EPS=L.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
+        DIM=INDEX_HEAD_DIM, FP8_MAX=layout.FP8_MAX, EPS=layout.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
         num_warps=1)

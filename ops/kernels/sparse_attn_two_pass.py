@@ -1,6 +1,7 @@
-"""Sparse MQA with sink for many query rows (``dsv4::sparse_attn``, SPEC §4.4) in two passes — Triton.
+"""Sparse MQA with sink for many query rows (``dsv4::sparse_attn``, docs/semantics.md §4.4) in two
+passes — Triton.
 
-The fused kernel (``sparse_attn.py``) keeps an fp32 [64, 512] accumulator per program: one
+The fused kernel (``sparse_attn_fused.py``) keeps an fp32 [64, 512] accumulator per program: one
 program per SM, and its QK and PV dots wait on each other and on the dequantisation. With many
 rows there is enough parallel work to split the attention instead into two GEMM-shaped kernels
 with [64, 128] accumulators, two programs per SM:
@@ -28,19 +29,36 @@ Shape legend: T = query rows, H = heads, HB = heads per program, NB = key blocks
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
 import torch
 import triton
 import triton.language as tl
 
+from ... import layout
 from ...config import HEAD_DIM
-from ._attn_common import (DIM, LN2, LOG2E, NUM_NOPE_TILES, TILE, dequant_tile, gather_entries, load_rope,
-                           row_key_counts, scale_word, sink_gate)
-from ._launch import INTERPRET
+from .host import INTERPRET
+from .primitives import (DIM, LOG2E, NUM_NOPE_TILES, TILE, dequant_tile, finish_rows, gather_entries, load_rope,
+                         row_key_counts, scale_word, softmax_rescale)
+from .sparse_attn_args import key_width, list_args
 
-_NUM_PAIRS = HEAD_DIM // 128  # output column pairs of 64-wide tiles (7 nope + rope)
+if TYPE_CHECKING:
+    from ...attention import KVSet
+
+_NUM_PAIRS = HEAD_DIM // (2 * layout.FP8_TILE)  # output column pairs of 64-wide tiles (7 nope + rope)
 _COL_PAIRS = tl.constexpr(_NUM_PAIRS)
 _WORKSPACE_BYTES = 1 << 29  # probabilities of one chunk of rows (512 MiB)
 _STATS_BLOCK = 64  # block statistics read per step by _block_values
+
+
+@dataclass(frozen=True)
+class TwoPassConfig:
+    """Tuning knobs of the two-pass kernels (benchmarks); the defaults are the H200's best."""
+
+    block_n: int = 128  # keys per score block
+    num_warps: tuple[int, int] = (4, 4)  # of _block_scores, _block_values
+    num_stages: tuple[int, int] = (3, 3)  # their software pipelines
 
 
 @triton.jit
@@ -148,10 +166,8 @@ def _block_values(
         mask = head_ok[:, None] & (tl.arange(0, STATS_BLOCK)[None, :] < n_blocks - first)
         b_max = tl.load(block_max + stats + first, mask=mask, other=float("-inf"))
         b_sum = tl.load(block_sum + stats + first, mask=mask, other=0.0)
-        m_new = tl.maximum(m2, tl.max(b_max, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l = l * tl.exp2(m2 - m_safe) + tl.sum(b_sum * tl.exp2(b_max - m_safe[:, None]), 1)
-        m2 = m_new
+        m2, alpha, weight = softmax_rescale(m2, b_max, 1, False)
+        l = l * alpha + tl.sum(b_sum * weight, 1)
     m_safe = tl.where(m2 == float("-inf"), 0.0, m2)
 
     probs_rows = probs + row_heads[:, None] * (num_blocks * BLOCK_N)
@@ -169,29 +185,22 @@ def _block_values(
                                         stride_swa_idx, ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
                                         SWA_P, EX_P, HAS_EXTRA, True, BLOCK_N, DTYPE, NUM_STAGES)
 
-    empty = l == 0.0
-    lse2 = tl.where(empty, 0.0, m_safe + tl.log2(l))
-    scale = tl.where(empty, 0.0, sink_gate(sink, heads, head_ok, lse2) / l)[:, None]
+    scale, row_lse = finish_rows(m_safe, l, sink, heads, head_ok)
     dst = out + row_heads[:, None] * DIM + (tile * TILE + tl.arange(0, TILE))[None, :]
-    tl.store(dst, (acc_a * scale).to(tl.bfloat16), mask=head_ok[:, None])
-    tl.store(dst + TILE, (acc_b * scale).to(tl.bfloat16), mask=head_ok[:, None])
+    tl.store(dst, (acc_a * scale[:, None]).to(tl.bfloat16), mask=head_ok[:, None])
+    tl.store(dst + TILE, (acc_b * scale[:, None]).to(tl.bfloat16), mask=head_ok[:, None])
     if tile == 0:
-        tl.store(lse + row_heads, tl.where(empty, float("inf"), lse2 * LN2), mask=head_ok)
+        tl.store(lse + row_heads, row_lse, mask=head_ok)
 
 
-def launch_two_pass(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int, swa_indices: torch.Tensor,
-                    swa_lengths: torch.Tensor, extra_cache: torch.Tensor, extra_page_size: int,
-                    extra_indices: torch.Tensor, extra_lengths: torch.Tensor, attn_sink: torch.Tensor,
-                    softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *, has_extra: bool,
-                    head_block: int, block_n: int = 128, num_warps: tuple[int, int] = (4, 4),
-                    num_stages: tuple[int, int] = (3, 3)) -> None:
-    """Fill ``out [T, H, 512] bf16`` and ``lse [T, H] fp32``. Inputs as ``launch_sparse_attn``
-    after its normalisation (unit strides; for a ratio-0 layer the extra arguments are stand-ins
-    and ``has_extra`` is False). ``block_n``, ``num_warps`` and ``num_stages`` (per kernel) are
-    tuning knobs."""
+def launch_two_pass(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: torch.Tensor,
+                    softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, *, head_block: int,
+                    config: TwoPassConfig) -> None:
+    """Fill ``out [T, H, 512] bf16`` and ``lse [T, H] fp32``. Inputs as normalised by
+    ``sparse_attn_args.normalize``; ``head_block`` heads per program (``choose_tiling``'s)."""
     T, H, _ = q.shape
-    width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    num_blocks = triton.cdiv(width, block_n)
+    block_n = config.block_n
+    num_blocks = triton.cdiv(key_width(swa, extra), block_n)
     head_blocks = triton.cdiv(H, head_block)
     dtype = torch.float32 if INTERPRET else torch.bfloat16  # interpreter: bf16 dots are garbage
     rows = max(1, min(T, _WORKSPACE_BYTES // (H * num_blocks * block_n * dtype.itemsize)))
@@ -199,20 +208,13 @@ def launch_two_pass(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int
     block_max = torch.empty(rows, H, num_blocks, dtype=torch.float32, device=q.device)
     block_sum = torch.empty_like(block_max)
     tl_dtype = tl.float32 if INTERPRET else tl.bfloat16
-    common = dict(SWA_P=swa_page_size, EX_P=extra_page_size, HAS_EXTRA=has_extra, HEAD_BLOCK=head_block,
-                  NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DTYPE=tl_dtype)
-    ex_width = extra_indices.shape[1] if has_extra else 0
     for lo in range(0, T, rows):  # row chunks: views, so each launch sees rows [lo, hi) from 0
         hi = min(T, lo + rows)
-        swa = (swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices[lo:hi],
-               swa_indices.stride(0))
-        ex = (extra_cache, extra_cache.stride(0), extra_cache.shape[0] * extra_page_size, extra_indices[lo:hi],
-              extra_indices.stride(0))
+        lists, consts = list_args(swa, extra, slice(lo, hi))
+        consts.update(HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DTYPE=tl_dtype)
         _block_scores[((hi - lo) * head_blocks * num_blocks,)](
-            q[lo:hi], q.stride(0), q.stride(1), *swa, swa_lengths[lo:hi], swa_indices.shape[1],
-            *ex, extra_lengths[lo:hi], ex_width, probs, block_max, block_sum, H, num_blocks, softmax_scale,
-            **common, NUM_STAGES=num_stages[0], num_warps=num_warps[0])
+            q[lo:hi], q.stride(0), q.stride(1), *lists, probs, block_max, block_sum, H, num_blocks,
+            softmax_scale, **consts, NUM_STAGES=config.num_stages[0], num_warps=config.num_warps[0])
         _block_values[((hi - lo) * head_blocks * _NUM_PAIRS,)](
-            probs, block_max, block_sum, *swa, swa_lengths[lo:hi], swa_indices.shape[1],
-            *ex, extra_lengths[lo:hi], ex_width, attn_sink, out[lo:hi], lse[lo:hi], H, num_blocks,
-            **common, STATS_BLOCK=_STATS_BLOCK, NUM_STAGES=num_stages[1], num_warps=num_warps[1])
+            probs, block_max, block_sum, *lists, attn_sink, out[lo:hi], lse[lo:hi], H, num_blocks,
+            **consts, STATS_BLOCK=_STATS_BLOCK, NUM_STAGES=config.num_stages[1], num_warps=config.num_warps[1])

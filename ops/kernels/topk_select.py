@@ -1,11 +1,11 @@
 """Per-row top-k selection over an fp32 logits workspace, mapped to c4 slots (the second half of
 ``dsv4::indexer_topk``; the logits come from ``indexer.py::_logits_kernel``).
 
-Row ``q`` has ``n = min(visible[q], capacity)`` logits ``ws[q, :n]``. Output ``out[q, :K]``:
+Row ``q`` has ``n = min(visible[q], capacity)`` logits ``workspace[q, :n]``. Output ``out[q, :K]``:
 ``slot(j) = page_table[q, j // 64] * 64 + j % 64`` for the selected ``j``, -1 padded.
 Everything is decided per row on the device:
 
-* ``n <= K``: every visible ``j`` in order (no logits read), then -1s (``_finish_kernel``).
+* ``n <= K``: every visible ``j`` in order (no logits read), then -1s (``_radix_select_kernel``).
 * ``n > K``, three passes (a bucket select, then an exact radix select on the bucket):
   1. ``_bucket_hist_kernel`` (grid ``[T, S2]``, each program one contiguous chunk of the row):
      256-bin histogram of ``bucket(x) = floor((x - lo) * 256 / (hi - lo))`` (monotone in ``x``;
@@ -15,7 +15,7 @@ Everything is decided per row on the device:
      offsets (prefix over earlier chunks). Emits the slots of logits in higher buckets to
      ``out[q, :above]`` and compacts the indices ``j`` in bucket ``b*`` to ``cand[q, :]``
      (one packed ``cumsum`` gives both positions).
-  3. ``_finish_kernel`` (grid ``[T]``): exact radix select of the ``K - above`` largest among the
+  3. ``_radix_select_kernel`` (grid ``[T]``): exact radix select of the ``K - above`` largest among the
      candidates: four 8-bit histogram passes over the order-preserving int32 key of the float
      (``bits ^ ((bits >> 31) & 0x7fffffff)``) find the threshold key; emit keys above it and the
      first ties up to K into ``out[q, above:K]``.
@@ -98,8 +98,8 @@ def _slot(pt_row, j, mask, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _bucket_hist_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk, num_splits, num_sel,
-                        stride_ws, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
+def _bucket_hist_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk, num_splits, num_sel,
+                        stride_workspace, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:  # the scan's logits are final past the wait; the emit kernel may launch
         tl.extra.cuda.gdc_wait()
@@ -113,14 +113,14 @@ def _bucket_hist_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk,
         hist = tl.zeros([NB], dtype=tl.int32)
         for j0 in range(start, end, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            x = tl.load(ws_ptr + r.to(tl.int64) * stride_ws + j, mask=j < end, other=0.0)
+            x = tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=j < end, other=0.0)
             hist += tl.histogram(_rev_bucket(x, lo, scale, NB), NB, mask=j < end)
         tl.store(hist_ptr + (r * num_sel + split).to(tl.int64) * NB + tl.arange(0, NB), hist)
 
 
 @triton.jit
-def _bucket_emit_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity,
-                        topk, num_splits, num_sel, stride_ws, stride_pt, stride_out,
+def _bucket_emit_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity,
+                        topk, num_splits, num_sel, stride_workspace, stride_pt, stride_out,
                         S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:
@@ -134,16 +134,16 @@ def _bucket_emit_kernel(ws_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         b_star, off_above, off_cand = _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB)
         start, end = _chunk(n, split, num_sel, BLOCK)
-        ws_row = ws_ptr + r.to(tl.int64) * stride_ws
+        workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
         for j0 in range(start, end, BLOCK):
             j = j0 + tl.arange(0, BLOCK)
-            rb = _rev_bucket(tl.load(ws_row + j, mask=j < end, other=0.0), lo, scale, NB)
+            rb = _rev_bucket(tl.load(workspace_row + j, mask=j < end, other=0.0), lo, scale, NB)
             is_above = (j < end) & (rb < b_star)
             is_cand = (j < end) & (rb == b_star)
             pos = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), 0)  # inclusive, packed
             slot = _slot(pt_ptr + row * stride_pt, j, is_above, PAGE)
             tl.store(out_ptr + row * stride_out + off_above + (pos & 0xFFFF) - 1, slot, mask=is_above)
-            tl.store(cand_ptr + r.to(tl.int64) * stride_ws + off_cand + (pos >> 16) - 1, j, mask=is_cand)
+            tl.store(cand_ptr + r.to(tl.int64) * stride_workspace + off_cand + (pos >> 16) - 1, j, mask=is_cand)
             off_above += tl.sum(is_above.to(tl.int32), 0)
             off_cand += tl.sum(is_cand.to(tl.int32), 0)
 
@@ -156,9 +156,9 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, topk, num_sel,
-                   stride_ws, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
-                   PAGE: tl.constexpr, PDL: tl.constexpr):
+def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, topk,
+                         num_sel, stride_workspace, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
+                         PAGE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
@@ -172,15 +172,15 @@ def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, c
     else:
         b_star, above, num_cand = _bucket_offsets(hist_ptr, r, num_sel, num_sel, topk, NB)
         need = topk - above
-        cand_row = cand_ptr + r.to(tl.int64) * stride_ws
-        ws_row = ws_ptr + r.to(tl.int64) * stride_ws
+        cand_row = cand_ptr + r.to(tl.int64) * stride_workspace
+        workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
         prefix = 0
         for level in tl.static_range(4):  # 8 bits of the key per level, most significant first
             shift = 24 - 8 * level
             hist = tl.zeros([NB], dtype=tl.int32)
             for c0 in range(0, num_cand, BLOCK):
                 c = c0 + tl.arange(0, BLOCK)
-                key = _ordered_key(tl.load(ws_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
+                key = _ordered_key(tl.load(workspace_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
                 if level == 0:
                     digit = (key >> 24) + 128  # signed top byte -> [0, 256)
                     match = c < num_cand
@@ -197,7 +197,7 @@ def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, c
         for c0 in range(0, num_cand, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             j = tl.load(cand_row + c, mask=c < num_cand, other=0)
-            key = _ordered_key(tl.load(ws_row + j))
+            key = _ordered_key(tl.load(workspace_row + j))
             eq = (c < num_cand) & (key == prefix)
             take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
             pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
@@ -212,38 +212,38 @@ def _finish_kernel(ws_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, c
             tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
 
 
-def launch_topk_select(ws: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
+def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
                        visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
                        rows: int, pdl: bool = False) -> None:
-    """Fill ``out[row0 : row0 + rows]`` from the logits ``ws [>= rows, capacity] fp32``.
+    """Fill ``out[row0 : row0 + rows]`` from the logits ``workspace [>= rows, capacity] fp32``.
 
     minmax: [>= rows, S, 2] fp32 per-split min / max of the scan; page_table: [T, NP] int32/int64
-    (contiguous); visible: [T]; out: [T, topk] int32. ``ws`` / ``minmax`` may be None when
+    (contiguous); visible: [T]; out: [T, topk] int32. ``workspace`` / ``minmax`` may be None when
     ``capacity <= topk`` (no row is ever scored). ``pdl``: launch the three kernels with
     programmatic dependent launch (sm_90+; the scan before them triggers its dependents).
     """
     if rows == 0:
         return
     page = layout.INDEX_PAGE_SIZE
-    if ws is None:  # only the n <= K branch can run: placeholders for the unused buffers
-        ws = torch.empty(1, 1, dtype=torch.float32, device=out.device)
-        cand, hist = ws.view(torch.int32), torch.empty(1, 1, _NB, dtype=torch.int32, device=out.device)
-        _finish_kernel[(rows,)](ws, visible, hist, page_table, out, cand, row0, capacity, topk, 1,
-                                ws.stride(0), page_table.stride(0), out.stride(0), NB=_NB, BLOCK=_BLOCK,
-                                PAGE=page, PDL=False, num_warps=4)
+    if workspace is None:  # only the n <= K branch can run: placeholders for the unused buffers
+        workspace = torch.empty(1, 1, dtype=torch.float32, device=out.device)
+        cand, hist = workspace.view(torch.int32), torch.empty(1, 1, _NB, dtype=torch.int32, device=out.device)
+        _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, topk, 1,
+                                      workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
+                                      BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
     num_splits = minmax.shape[1]
     num_sel = max(1, min(triton.cdiv(capacity, _BLOCK), triton.cdiv(_SELECT_PROGRAMS, rows),
                          _MAX_SELECT_SPLITS))
-    hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=ws.device)
-    cand = torch.empty(ws.shape, dtype=torch.int32, device=ws.device)  # indexed with ws's row stride
+    hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=workspace.device)
+    cand = torch.empty(workspace.shape, dtype=torch.int32, device=workspace.device)  # workspace's row stride
     s_p2 = triton.next_power_of_2(num_splits)
     # pdl: each kernel launches while the previous one drains and waits for it in-kernel
     common = dict(NB=_NB, BLOCK=_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl)
-    _bucket_hist_kernel[(rows, num_sel)](ws, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
-                                         ws.stride(0), S_P2=s_p2, **common)
-    _bucket_emit_kernel[(rows, num_sel)](ws, minmax, visible, hist, page_table, out, cand, row0, capacity,
-                                         topk, num_splits, num_sel, ws.stride(0), page_table.stride(0),
+    _bucket_hist_kernel[(rows, num_sel)](workspace, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
+                                         workspace.stride(0), S_P2=s_p2, **common)
+    _bucket_emit_kernel[(rows, num_sel)](workspace, minmax, visible, hist, page_table, out, cand, row0, capacity,
+                                         topk, num_splits, num_sel, workspace.stride(0), page_table.stride(0),
                                          out.stride(0), S_P2=s_p2, PAGE=page, **common)
-    _finish_kernel[(rows,)](ws, visible, hist, page_table, out, cand, row0, capacity, topk, num_sel,
-                            ws.stride(0), page_table.stride(0), out.stride(0), PAGE=page, **common)
+    _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, topk, num_sel,
+                                  workspace.stride(0), page_table.stride(0), out.stride(0), PAGE=page, **common)

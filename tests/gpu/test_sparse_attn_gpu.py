@@ -1,6 +1,6 @@
 """``dsv4::sparse_attn`` on the GPU at real shapes: our kernels (through the op's registered CUDA
 kernel, which picks the fused, warp-specialised or two-pass path) and FlashMLA, against an fp64
-golden with the eager reference's error as the yardstick (STYLE habit 11), on the same cache bytes.
+golden with the eager reference's error as the yardstick, on the same cache bytes.
 
 Shapes: H in {8, 64, 128}; SWA-only, c4 top-512 / top-1024, c128 at 1k / 128k / 1M context (extra
 widths 64 / 1024 / 8192); T from 1 (split-KV + combine) to 4096; each path also forced at four
@@ -8,15 +8,17 @@ sizes. Inputs have
 -1 holes, sentinel indices, ragged lengths, empty and all-invalid rows, sinks of +inf / -inf.
 Also: split counts agree, int64 indices, CUDA-graph capture and replay with new index values, the
 ``DSV4_ATTN_IMPL=flashmla`` switch, exact dequantisation of every e4m3 code (one-key rows), the
-warp-specialised kernel's L2 prefetch leaving results unchanged.
+warp-specialised kernel's L2 prefetch leaving results unchanged, the path the op picks on this
+device for a few shapes.
 """
 
 import pytest
 import torch
 
-from dsv4_compile.ops.kernels import flashmla
-from dsv4_compile.ops.kernels import sparse_attn as K
-from dsv4_compile.ops.kernels import sparse_attn_ws as ws
+from dsv4_compile.attention import sparse_attn
+from dsv4_compile.ops.kernels import flashmla, sparse_attn_dispatch, sparse_attn_warp_specialized
+from dsv4_compile.ops.kernels.sparse_attn_dispatch import PATHS, launch_sparse_attn
+from dsv4_compile.ops.kernels.sparse_attn_warp_specialized import WarpSpecializedConfig
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.reference.quant import dequantize_model1, model1_page_views
 from dsv4_compile.testing.attn_inputs import assert_attn_close, golden_sparse_attn, make_attn_inputs
@@ -43,7 +45,7 @@ def _inputs(rows, heads, shape, seed=0, **kw):
 
 
 def _skip_unavailable(path):
-    if path == "warp_specialized" and not ws.available(torch.device("cuda")):
+    if path == "warp_specialized" and not sparse_attn_warp_specialized.available(torch.device("cuda")):
         pytest.skip("the warp-specialised kernel needs Gluon from Triton 3.6 and an sm_90 GPU")
 
 
@@ -59,35 +61,33 @@ def test_op_matches_reference(shape, heads, rows):
     if shape == "c128_1m" and rows > 7:
         pytest.skip("fp64 golden at 1M context: a few rows suffice")
     inp = _inputs(rows, heads, shape, seed=rows)
-    _check(inp, torch.ops.dsv4.sparse_attn(*inp.args()), f"{shape} H={heads} T={rows}")
+    _check(inp, sparse_attn(*inp.args()), f"{shape} H={heads} T={rows}")
 
 
 @pytest.mark.parametrize("shape", ["c4_top512", "c128_128k"])
 def test_many_rows(shape):
     """Prefill / verify sized: one program per (row, head block), no split."""
     inp = _inputs(4096, 64, shape, extra_capacity=1 << 16, holes=0.02)
-    _check(inp, torch.ops.dsv4.sparse_attn(*inp.args()), f"{shape} T=4096")
+    _check(inp, sparse_attn(*inp.args()), f"{shape} T=4096")
 
 
 @pytest.mark.parametrize("path", ["fused", "warp_specialized"])
 def test_splits_agree(path):
     _skip_unavailable(path)
     inp = _inputs(3, 64, "c4_top1024", seed=5)
-    base_out, base_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, path=path)
+    base_out, base_lse = launch_sparse_attn(*inp.args(), num_splits=1, path=path)
     for splits in (2, 7, 16, 40):  # 40 > key blocks: empty splits
-        out, lse = K.launch_sparse_attn(*inp.args(), num_splits=splits, path=path)
+        out, lse = launch_sparse_attn(*inp.args(), num_splits=splits, path=path)
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
 
 
-@pytest.mark.parametrize("path", K.PATHS)
+@pytest.mark.parametrize("path", PATHS)
 def test_int64_indices(path):
     _skip_unavailable(path)
     inp = _inputs(5, 64, "c4_top512", seed=3)
-    want = K.launch_sparse_attn(*inp.args(), path=path)
-    inp.swa_indices, inp.extra_indices = inp.swa_indices.long(), inp.extra_indices.long()
-    inp.swa_lengths, inp.extra_lengths = inp.swa_lengths.long(), inp.extra_lengths.long()
-    got = K.launch_sparse_attn(*inp.args(), path=path)
+    want = launch_sparse_attn(*inp.args(), path=path)
+    got = launch_sparse_attn(*inp.with_int64_indices().args(), path=path)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
@@ -96,15 +96,17 @@ def test_cuda_graph_replay(rows, path):
     """Captured once; replays read the current q / index / length / sink values (no host reads)."""
     inp = _inputs(rows, 64, "c4_top512", seed=7)
     fresh = _inputs(rows, 64, "c4_top512", seed=8)
-    K.launch_sparse_attn(*inp.args(), path=path)  # compile outside the capture
+    launch_sparse_attn(*inp.args(), path=path)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out, lse = K.launch_sparse_attn(*inp.args(), path=path)
-    for name in ("q", "swa_indices", "swa_lengths", "extra_indices", "extra_lengths", "attn_sink"):
-        getattr(inp, name).copy_(getattr(fresh, name))
+        out, lse = launch_sparse_attn(*inp.args(), path=path)
+    for dst, src in ((inp.q, fresh.q), (inp.swa.indices, fresh.swa.indices), (inp.swa.lengths, fresh.swa.lengths),
+                     (inp.extra.indices, fresh.extra.indices), (inp.extra.lengths, fresh.extra.lengths),
+                     (inp.attn_sink, fresh.attn_sink)):
+        dst.copy_(src)
     graph.replay()
-    fresh.swa_cache, fresh.extra_cache = inp.swa_cache, inp.extra_cache
-    want = K.launch_sparse_attn(*fresh.args(), path=path)
+    fresh.swa, fresh.extra = fresh.swa._replace(cache=inp.swa.cache), fresh.extra._replace(cache=inp.extra.cache)
+    want = launch_sparse_attn(*fresh.args(), path=path)
     torch.testing.assert_close((out, lse), want, rtol=0, atol=0)
 
 
@@ -117,8 +119,8 @@ def test_flashmla_agrees(shape, heads, rows):
     if shape == "c128_1m" and rows > 64:
         pytest.skip("fp64 golden at 1M context: a few rows suffice")
     inp = _inputs(rows, heads, shape, seed=rows + heads)
-    ours = torch.ops.dsv4.sparse_attn(*inp.args())
-    theirs = torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
+    ours = sparse_attn(*inp.args())
+    theirs = torch.ops.dsv4.sparse_attn_flashmla(*inp.op_args())
     torch.cuda.synchronize()
     eager, golden = ref.sparse_attn(*inp.args()), golden_sparse_attn(inp)
     assert_attn_close(ours, eager, golden, "triton")
@@ -128,13 +130,13 @@ def test_flashmla_agrees(shape, heads, rows):
 @needs_flashmla
 def test_env_switch_routes_to_flashmla(monkeypatch):
     inp = _inputs(4, 64, "c4_top512", seed=11)
-    want = torch.ops.dsv4.sparse_attn_flashmla(*inp.args())
+    want = torch.ops.dsv4.sparse_attn_flashmla(*inp.op_args())
     monkeypatch.setenv("DSV4_ATTN_IMPL", "flashmla")
-    got = torch.ops.dsv4.sparse_attn(*inp.args())
+    got = sparse_attn(*inp.args())
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("path", K.PATHS)
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("rows, heads, shape", [(7, 128, "c4_top1024"), (7, 128, "c128_1m"), (130, 8, "c4_top512"),
                                                 (40, 64, "swa_only")])
 def test_each_path(rows, heads, shape, path):
@@ -143,45 +145,53 @@ def test_each_path(rows, heads, shape, path):
     two-pass kernels."""
     _skip_unavailable(path)
     inp = _inputs(rows, heads, shape, seed=5)
-    _check(inp, K.launch_sparse_attn(*inp.args(), path=path), f"{shape} T={rows} H={heads} {path}")
+    _check(inp, launch_sparse_attn(*inp.args(), path=path), f"{shape} T={rows} H={heads} {path}")
 
 
-def test_warp_specialized_is_the_default_on_sm90():
-    inp = _inputs(32, 64, "c4_top512")
-    want = "warp_specialized" if ws.available(inp.q.device) else "two_pass"
-    width = inp.entries_per_row()
-    head_block, _ = K.choose_tiling(32, 64, width, K._num_sms(inp.q.device))
-    assert K.choose_path(32, 64, head_block, width, inp.q.device) == want
+# rows, heads, shape -> the path on sm_90 with Triton 3.6's Gluon / on any other GPU
+DEFAULT_PATHS = [(1, 64, "c4_top512", "fused", "fused"), (32, 64, "c4_top512", "warp_specialized", "two_pass"),
+                 (7, 128, "c4_top1024", "warp_specialized", "fused"), (130, 8, "c4_top512", "two_pass", "two_pass")]
 
 
-@pytest.mark.parametrize("path", K.PATHS)
+@pytest.mark.parametrize("rows, heads, shape, on_sm90, elsewhere", DEFAULT_PATHS)
+def test_default_path_on_this_gpu(rows, heads, shape, on_sm90, elsewhere):
+    """The path the op takes on this GPU (the warp-specialised kernel wherever 64-head programs
+    run, on sm_90 only), and that path's result equals the op's bit for bit."""
+    inp = _inputs(rows, heads, shape)
+    want = on_sm90 if sparse_attn_warp_specialized.available(inp.q.device) else elsewhere
+    assert sparse_attn_dispatch.plan(rows, heads, inp.entries_per_row(), inp.q.device).path == want
+    torch.testing.assert_close(sparse_attn(*inp.args()), launch_sparse_attn(*inp.args(), path=want), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path", PATHS)
 def test_one_key_rows_return_the_dequantised_key(path):
     """With one key and a -inf sink a row's output is that key, bit for bit: every e4m3 code
     (NaN codes excepted) under scale bytes 2^-22 .. 2^13 (the quantiser's range and beyond)
     must dequantise exactly as the reference does."""
     _skip_unavailable(path)
     inp = make_attn_inputs(64, 64, extra=None, seed=1, device="cuda")
-    inp.swa_lengths.fill_(1)
+    inp.swa.lengths.fill_(1)
     inp.attn_sink.fill_(float("-inf"))
-    slots = inp.swa_indices[:, 0].long()
-    page, offset = slots // inp.swa_page_size, slots % inp.swa_page_size
-    data, scales = model1_page_views(inp.swa_cache, inp.swa_page_size)
+    slots = inp.swa.indices[:, 0].long()
+    page, offset = slots // inp.swa.page_size, slots % inp.swa.page_size
+    data, scales = model1_page_views(inp.swa.cache, inp.swa.page_size)
     codes = torch.arange(64 * 448, device="cuda") % 256
     data[page, offset, :448] = torch.where(codes % 128 == 127, 0, codes).to(torch.uint8).view(64, 448)
     exponents = torch.tensor([105, 113, 120, 126, 127, 128, 133, 134, 135, 140], device="cuda")
     scales[page, offset, :7] = exponents[torch.arange(64 * 7, device="cuda") % 10].to(torch.uint8).view(64, 7)
     want = dequantize_model1(data[page, offset], scales[page, offset]).to(torch.bfloat16)
-    out, lse = K.launch_sparse_attn(*inp.args(), path=path)
+    out, lse = launch_sparse_attn(*inp.args(), path=path)
     assert torch.isfinite(lse).all()
     torch.testing.assert_close(out.float(), want[:, None].expand_as(out).float(), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows, shape", [(7, "c128_1m"), (130, "c4_top512")])
-def test_ws_prefetch_leaves_results_unchanged(rows, shape):
+def test_warp_specialized_prefetch_leaves_results_unchanged(rows, shape):
     """The L2 prefetch (on by default for long lists only) moves no values: forced on and off,
     the outputs are bitwise equal."""
     _skip_unavailable("warp_specialized")
     inp = _inputs(rows, 64, shape, seed=9)
-    on, off = (K.launch_sparse_attn(*inp.args(), path="warp_specialized", ws_config=dict(prefetch=flag))
+    on, off = (launch_sparse_attn(*inp.args(), path="warp_specialized",
+                                  warp_specialized=WarpSpecializedConfig(prefetch=flag))
                for flag in (True, False))
     torch.testing.assert_close(on, off, rtol=0, atol=0)

@@ -2,7 +2,7 @@
 
 Checks, for c4 (d = 128 with and without the Hadamard, d = 512) and c128 (d = 512):
 * outputs of the rows that complete a window, three-way against an fp64 golden without the bf16
-  rounding points (STYLE habit 11): kernel error <= 2 x the reference's error + a floor;
+  rounding points: kernel error <= 2 x the reference's error + a floor;
 * the other rows' outputs are finite (they are never stored);
 * the state ring after the call equals the reference's exactly (the dummy request 0 excluded:
   all padding rows write its ring row 0, in no specified order);

@@ -1,4 +1,4 @@
-"""Fused sparse-attention kernel (``ops/kernels/sparse_attn.py``) vs the reference, tiny shapes.
+"""Sparse-attention kernels (``ops/kernels/sparse_attn_*.py``) vs the reference, tiny shapes.
 
 Inputs (``testing/attn_inputs.py``): one SWA page of slots plus a c4 / c128 extra cache or none,
 index lists of 64 / 128 scattered over the pools with -1 holes, sentinel indices (INT32_MIN,
@@ -6,15 +6,18 @@ capacity, INT32_MAX) inside the lengths, ragged and over-long lengths, an empty 
 row whose indices are all -1, sinks of +inf (head 0) and -inf (head 1). Checks, for the
 single-program path (32-key blocks), the split + combine path (64-key blocks) and the two-pass
 path (``sparse_attn_two_pass.py``, in row chunks): out and lse against an fp64 golden with the
-eager reference's error as the yardstick (STYLE habit 11), exact +inf lse / zero out for rows
-without valid keys and for the +inf-sink head, and split counts and paths agreeing with each other.
+eager reference's error as the yardstick, exact +inf lse / zero out for rows without valid keys
+and for the +inf-sink head, and split counts and paths agreeing with each other. The dispatch's
+tiling and path choice against explicit expected values.
 """
 
 import pytest
 import torch
 
-from dsv4_compile.ops.kernels import sparse_attn as K
+from dsv4_compile.ops.kernels import sparse_attn_dispatch as dispatch
 from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
+from dsv4_compile.ops.kernels.host import num_sms
+from dsv4_compile.ops.kernels.sparse_attn_fused import FusedConfig
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import assert_attn_close, golden_sparse_attn, make_attn_inputs
 
@@ -31,11 +34,16 @@ def _inputs(device, extra, extra_width, heads, seed=0):
                             seed=seed, device=device)
 
 
+def _fused(inp, splits=None, block_n=None):
+    """The fused path, with a forced split count and keys per block (None: the dispatch's)."""
+    return dispatch.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, fused=FusedConfig(block_n))
+
+
 @pytest.mark.parametrize("case, splits", [("c4", 1), ("c4", 3), ("c128", 1), ("c128", 3), ("swa_only", 2)])
 def test_matches_reference(device, case, splits):
     extra, width = CASES[case]
     inp = _inputs(device, extra, width, heads=8 if splits == 1 else 16)
-    got = K.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, block_n=32 if splits == 1 else 64)
+    got = _fused(inp, splits, 32 if splits == 1 else 64)
     if device == "cuda":
         torch.cuda.synchronize()
     eager = ref.sparse_attn(*inp.args())
@@ -49,12 +57,11 @@ def test_matches_reference(device, case, splits):
 def test_splits_agree(device):
     """Split counts (including more splits than key blocks) give the same result."""
     inp = _inputs(device, "c4", 128, heads=8, seed=1)
-    base_out, base_lse = K.launch_sparse_attn(*inp.args(), path="fused", num_splits=1, block_n=64)
+    base_out, base_lse = _fused(inp, 1, 64)
     # 7 > 4 key blocks (one combine program per row and head); 40 splits: the combine splits
     # each row's 512 columns over 8 programs to bound its [splits, columns] tile
     # (all results kept alive: a freed output's memory must not be reused by the next launch)
-    results = [K.launch_sparse_attn(*inp.args(), path="fused", num_splits=splits, block_n=64)
-               for splits in (40, 7)]
+    results = [_fused(inp, splits, 64) for splits in (40, 7)]
     for out, lse in results:
         torch.testing.assert_close(lse, base_lse, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.float(), base_out.float(), rtol=2 ** -7, atol=2 ** -7)
@@ -67,8 +74,8 @@ def test_few_rows_tiling(device, rows, extra_width, tiling):
     64-head programs."""
     inp = make_attn_inputs(rows, 64, extra="c4", swa_width=64, extra_width=extra_width, holes=0.2,
                            ragged=True, special_sink=True, seed=2, device=device)
-    assert K.choose_tiling(rows, 64, inp.entries_per_row(), K._num_sms(inp.q.device)) == tiling
-    got = K.launch_sparse_attn(*inp.args(), path="fused")
+    assert dispatch.choose_tiling(rows, 64, inp.entries_per_row(), num_sms(inp.q.device)) == tiling
+    got = _fused(inp)
     if device == "cuda":
         torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"rows={rows}")
@@ -83,7 +90,7 @@ def test_two_pass_matches_reference(device, case, heads, monkeypatch):
     prob_bytes = 4 if device == "cpu" else 2  # fp32 under the interpreter, else bf16
     row_bytes = heads * -(-(64 + width) // 128) * 128 * prob_bytes  # 128-key blocks
     monkeypatch.setattr(two_pass, "_WORKSPACE_BYTES", 2 * row_bytes)
-    got = K.launch_sparse_attn(*inp.args(), path="two_pass")
+    got = dispatch.launch_sparse_attn(*inp.args(), path="two_pass")
     if device == "cuda":
         torch.cuda.synchronize()
     assert_attn_close(got, ref.sparse_attn(*inp.args()), golden_sparse_attn(inp), f"{case} two-pass")
@@ -97,10 +104,27 @@ def test_two_pass_agrees_with_fused(device):
     """Both paths agree to bf16 rounding, row by row; int64 index lists give the two-pass result
     bit for bit."""
     inp = _inputs(device, "c4", 128, heads=16, seed=4)
-    fused_out, fused_lse = K.launch_sparse_attn(*inp.args(), num_splits=1, block_n=64, path="fused")
-    out, lse = K.launch_sparse_attn(*inp.args(), path="two_pass")
+    fused_out, fused_lse = _fused(inp, 1, 64)
+    out, lse = dispatch.launch_sparse_attn(*inp.args(), path="two_pass")
     torch.testing.assert_close(lse, fused_lse, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out.float(), fused_out.float(), rtol=2 ** -7, atol=2 ** -7)
-    inp.swa_indices, inp.extra_indices = inp.swa_indices.long(), inp.extra_indices.long()
-    inp.swa_lengths, inp.extra_lengths = inp.swa_lengths.long(), inp.extra_lengths.long()
-    torch.testing.assert_close(K.launch_sparse_attn(*inp.args(), path="two_pass"), (out, lse), rtol=0, atol=0)
+    wide = inp.with_int64_indices()
+    torch.testing.assert_close(dispatch.launch_sparse_attn(*wide.args(), path="two_pass"), (out, lse), rtol=0, atol=0)
+
+
+# rows, heads, key width -> path with the warp-specialised kernel available / elsewhere (132 SMs)
+PATH_CASES = [
+    (1, 64, 640, "fused", "fused"),  # one row over a short list: 16-head fused programs
+    (32, 64, 640, "warp_specialized", "two_pass"),  # 32 (row, head block) pairs over <= 2048 keys
+    (7, 128, 1152, "warp_specialized", "fused"),  # 14 pairs: too few for the two-pass kernels
+    (16, 64, 8320, "warp_specialized", "fused"),  # 16 pairs over a long list
+    (64, 64, 8320, "warp_specialized", "two_pass"),  # 64 pairs
+    (130, 8, 640, "two_pass", "two_pass"),  # 8 heads run as 16-head blocks: never warp-specialised
+]
+
+
+@pytest.mark.parametrize("rows, heads, width, where_available, elsewhere", PATH_CASES)
+def test_choose_path(rows, heads, width, where_available, elsewhere):
+    head_block, _ = dispatch.choose_tiling(rows, heads, width, 132)
+    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=True) == where_available
+    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=False) == elsewhere

@@ -4,7 +4,8 @@ mutation declarations, fake-vs-real metadata, AOT dispatch with dynamic shapes).
 import pytest
 import torch
 
-from dsv4_compile import DSV4AttnConfig, ForwardMode, build_step_metadata, layout
+from dsv4_compile import DSV4AttnConfig, ForwardMode, KVSet, build_step_metadata, layout
+from dsv4_compile.attention import op_args
 from dsv4_compile.testing.oracle_recorder import make_engine
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
@@ -96,12 +97,10 @@ def test_sparse_attn(state, extra, sink):
     t = meta.positions.shape[0]
     q = torch.randn(t, TINY.num_heads, 512).bfloat16()
     sinks = torch.full((TINY.num_heads,), sink)
-    args = [q, cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths]
-    if extra is None:
-        args += [None, 0, None, None]
-    elif extra == "c4":  # short lengths: only a prefix of each index row counts
+    swa = KVSet(cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths)
+    if extra == "c4":  # short lengths: only a prefix of each index row counts
         idx = torch.where(torch.arange(64) < 20, meta.c4_visible.unsqueeze(1) * 0 + torch.arange(64), -1)
-        args += [cache.layers[1].extra_kv, 64, (idx + 64).to(torch.int32), meta.c4_topk_lengths.clamp_max(20)]
-    else:
-        args += [cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths]
-    _opcheck(ops.sparse_attn, (*args, sinks, TINY.softmax_scale))
+        extra = KVSet(cache.layers[1].extra_kv, 64, (idx + 64).to(torch.int32), meta.c4_topk_lengths.clamp_max(20))
+    elif extra == "c128":
+        extra = KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths)
+    _opcheck(ops.sparse_attn, op_args(q, swa, extra, sinks, TINY.softmax_scale))

@@ -1,4 +1,4 @@
-"""Byte layouts (SPEC §2.2, §2.3) and the FP8 quantisers: exact page sizes, field positions,
+"""Byte layouts (docs/semantics.md §2.2, §2.3) and the FP8 quantisers: exact page sizes, field positions,
 power-of-two scales, round-trip error bounds."""
 
 import pytest

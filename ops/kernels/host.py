@@ -8,6 +8,7 @@ import os
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETER_SMS = 132  # the interpreter pretends to be an H200, so split paths are exercised
 
 
 def unit_stride(t: torch.Tensor) -> torch.Tensor:
@@ -20,3 +21,11 @@ def unit_stride(t: torch.Tensor) -> torch.Tensor:
 def has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch: compiled CUDA kernels on sm_90+ (not the interpreter)."""
     return not INTERPRET and device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (``_INTERPRETER_SMS`` off CUDA)."""
+    if device.type != "cuda":
+        return _INTERPRETER_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count

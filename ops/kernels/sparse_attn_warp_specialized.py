@@ -1,8 +1,10 @@
-"""Warp-specialised sparse MQA with sink for Hopper (``dsv4::sparse_attn``, SPEC §4.4) — Gluon.
+"""Warp-specialised sparse MQA with sink for Hopper (``dsv4::sparse_attn``, docs/semantics.md
+§4.4) — Gluon.
 
-The same work split as the fused kernel (``sparse_attn.py``: one program per query row, 64-head
-block and split of the key list; its split combine is reused), but the program's warps specialise
-so that gathering and dequantising keys overlaps the tensor cores:
+The same work split as the fused kernel (``sparse_attn_fused.py``: one program per query row,
+64-head block and split of the key list, the same arguments, ``sparse_attn_args.py``; split
+launches write the partials of ``sparse_attn_combine.py``), but the program's warps specialise so
+that gathering and dequantising keys overlaps the tensor cores:
 
 * a producer partition (4 warps, 120 registers) walks the key blocks: it gathers ``BLOCK_N``
   MODEL1 entries by slot, dequantises the 7 fp8 tiles (the rope tile is bf16 already) into a
@@ -21,18 +23,30 @@ Needs Gluon (``triton.experimental.gluon``) as in Triton 3.6 and an sm_90 GPU (`
 on them. There is no interpreter path: it is tested on the GPU only (``tests/gpu``), against the
 fp64 golden and the fused kernel.
 
+Gluon functions cannot call ``@triton.jit`` ones, so this module restates in Gluon the pieces of
+``primitives.py`` / ``sparse_attn_combine.py`` it needs (the slot -> entry addressing, the ue8m0
+scale, the online-softmax update, the row epilogues, the partial index); each copy says which.
+
 Shape legend: T = query rows, H = heads, S = splits.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import triton
+import triton.language as tl
 
-from ._attn_common import DATA_BYTES, DIM, LN2, LOG2E, NOPE, NUM_NOPE_TILES, ROPE, SCALE_BYTES, TILE
-from ._launch import INTERPRET
+from .host import INTERPRET
+from .primitives import DATA_BYTES, DIM, LN2, LOG2E, NOPE, NUM_NOPE_TILES, ROPE, SCALE_BYTES, TILE
+from .sparse_attn_args import key_width, row_kernel_args
+from .sparse_attn_combine import Partials, split_count
+
+if TYPE_CHECKING:
+    from ...attention import KVSet
 
 try:
     from triton.experimental import gluon
@@ -43,12 +57,24 @@ except ImportError:  # a Triton without Gluon: the other paths serve
     gluon = None
 
 HEAD_BLOCK = 64  # heads per program (fewer are padded): one wgmma M
-BLOCK_N = 64  # keys per ring slot
-_STAGES = 2  # ring slots: 2 x 64 KB of bf16 keys + 64 KB of q fill the shared memory
 _PRODUCER_WARPS = 4
-_PRODUCER_REGS = 120  # holds a block's raw bytes (72 registers) and the next block's slots unspilled
-_MAX_REGS = 168  # per thread over all 12 warps (65536 / 384, rounded down to a multiple of 8)
 _PREFETCH_MIN_KEYS = 2048  # L2 prefetch pays from about 32 blocks per split (c128 @1M: 7 %), costs below
+_L2_LINE = tl.constexpr(128)  # bytes
+# prefetch addresses per entry: every line of its data bytes, one more for an entry that starts
+# inside a line (the last data byte), then the scale bytes
+_DATA_LINES = tl.constexpr(-(-DATA_BYTES.value // _L2_LINE.value) + 1)
+
+
+@dataclass(frozen=True)
+class WarpSpecializedConfig:
+    """Tuning knobs of the warp-specialised kernel (benchmarks); the defaults are the ones tested
+    on the H200."""
+
+    block_n: int = 64  # keys per ring slot
+    stages: int = 2  # ring slots: 2 x 64 KB of bf16 keys + 64 KB of q fill the shared memory
+    producer_regs: int = 120  # holds a block's raw bytes (72 registers) and the next block's slots unspilled
+    max_regs: int = 168  # per thread over all 12 warps (65536 / 384, rounded down to a multiple of 8)
+    prefetch: bool | None = None  # L2 prefetch two blocks ahead; None: when a split holds _PREFETCH_MIN_KEYS
 
 
 VERIFIED_TRITON = "3.6."  # the Gluon API this module is written and tested against
@@ -77,7 +103,8 @@ if gluon is not None:
     def _entry_ptrs(slot, in_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
                     SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr):
         """Slots (of the SWA cache where ``in_swa``, else the extra cache) -> (entry data
-        pointer, scale-bytes pointer, valid); invalid slots point at slot 0."""
+        pointer, scale-bytes pointer, valid); invalid slots point at slot 0. Gluon copy of the
+        addressing in ``primitives.gather_entries``."""
         valid = (slot >= 0) & (slot < gl.where(in_swa, swa_capacity, ex_capacity))
         slot = gl.where(valid, slot, 0)
         base = swa_cache + (slot // SWA_P).to(gl.int64) * swa_page_stride
@@ -105,7 +132,8 @@ if gluon is not None:
         data, scales, valid = _entry_ptrs(slot, pos < n_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache,
                                           ex_page_stride, ex_capacity, SWA_P, EX_P, HAS_EXTRA)
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
-        lines = gl.where(c[None, :] < 6, data[:, None] + gl.minimum(c * 128, 575)[None, :], scales[:, None])
+        lines = gl.where(c[None, :] < _DATA_LINES, data[:, None] + gl.minimum(c * _L2_LINE, DATA_BYTES - 1)[None, :],
+                         scales[:, None])
         _prefetch_l2(lines)
 
     @gluon.jit
@@ -158,7 +186,7 @@ if gluon is not None:
                     e = (s_lo >> (8 * t)) & 0xFF
                 else:
                     e = (s_hi >> (8 * (t - 4))) & 0xFF
-                scale = (e << 23).to(gl.float32, bitcast=True)  # ue8m0 byte as fp32 exponent: 2^(e-127)
+                scale = (e << 23).to(gl.float32, bitcast=True)  # primitives.ue8m0_to_fp32: 2^(e-127)
                 tile = raws[t].to(gl.float8e4nv, bitcast=True).to(gl.float32) * scale[:, None]
                 keys.slice(t * TILE, TILE, dim=1).store(tile.to(gl.bfloat16))
             keys.slice(NOPE, ROPE, dim=1).store(rope_vals)
@@ -173,15 +201,16 @@ if gluon is not None:
     @gluon.jit
     def _consumer(q_smem, k_ring, valid_ring, ready, empty, lo, hi, qk_scale,
                   HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr):
-        """Online softmax attention over the ring -> (acc [HEADS, 512] fp32, m2, l) (base 2)."""
+        """Online softmax attention over the ring -> (acc [HEADS, 512] fp32, m2, l) (base 2). The
+        update is ``primitives.softmax_rescale``'s, in Gluon."""
         MMA_S: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
                                                         instr_shape=[16, BLOCK // 2, 16])
         MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, 256, 16])
+                                                        instr_shape=[16, DIM // 2, 16])  # columns per warpgroup
         P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA_O, k_width=2)
         m2 = gl.full((HEADS,), float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA_S))
         l = gl.zeros((HEADS,), gl.float32, layout=gl.SliceLayout(1, MMA_S))
-        acc = gl.zeros((HEADS, 512), gl.float32, layout=MMA_O)
+        acc = gl.zeros((HEADS, DIM), gl.float32, layout=MMA_O)
         s_init = gl.zeros((HEADS, BLOCK), gl.float32, layout=MMA_S)
         for j in range(gl.cdiv(hi - lo, BLOCK)):
             slot = j % STAGES
@@ -204,7 +233,7 @@ if gluon is not None:
         return acc, m2, l
 
     @gluon.jit
-    def _sparse_attn_ws(
+    def _sparse_attn_warp_specialized(
         q, stride_qt, stride_qh,
         swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
         ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
@@ -213,15 +242,17 @@ if gluon is not None:
         NUM_HEAD_BLOCKS: gl.constexpr, HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
     ):
-        """Grid ``(T * NUM_HEAD_BLOCKS, S)``, 8 warps (+ the producer's). Outputs as
-        ``sparse_attn._sparse_attn_fwd``: out / lse, or with SPLIT the partials for ``_combine``."""
+        """Grid ``(T * NUM_HEAD_BLOCKS, S)``, 8 warps (+ the producer's); arguments as
+        ``sparse_attn_args.row_kernel_args``. Outputs as ``sparse_attn_fused._sparse_attn_fused``:
+        out / lse, or with SPLIT the partials of ``sparse_attn_combine.py``."""
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [HEADS, 512] bf16, 8 warps
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
-                                                        instr_shape=[16, 256, 16])
+                                                        instr_shape=[16, DIM // 2, 16])
         row = (gl.program_id(0) // NUM_HEAD_BLOCKS).to(gl.int64)
         head_block = gl.program_id(0) % NUM_HEAD_BLOCKS
         split = gl.program_id(1)
+        # primitives.row_key_counts, in Gluon
         n_swa = gl.minimum(gl.maximum(gl.load(swa_len + row), 0), swa_width).to(gl.int32)
         n_all = n_swa
         if HAS_EXTRA:
@@ -230,8 +261,8 @@ if gluon is not None:
         lo = split * chunk
         hi = gl.minimum(lo + chunk, n_all)
 
-        q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, 512], SMEM)
-        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, 512], SMEM)
+        q_smem = gl.allocate_shared_memory(gl.bfloat16, [HEADS, DIM], SMEM)
+        k_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BLOCK, DIM], SMEM)
         valid_ring = gl.allocate_shared_memory(gl.int8, [STAGES, BLOCK], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -239,7 +270,7 @@ if gluon is not None:
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         q_heads = head_block * HEADS + gl.arange(0, HEADS, layout=gl.SliceLayout(1, QL))
-        q_cols = gl.arange(0, 512, layout=gl.SliceLayout(0, QL))
+        q_cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, QL))
         q_smem.store(gl.load(q + row * stride_qt + q_heads[:, None] * stride_qh + q_cols[None, :],
                              mask=(q_heads < num_heads)[:, None], other=0.0))
         fence_async_shared()
@@ -259,7 +290,8 @@ if gluon is not None:
         l = gl.convert_layout(l, rows_layout)
         heads = head_block * HEADS + gl.arange(0, HEADS, layout=rows_layout)
         head_ok = heads < num_heads
-        cols = gl.arange(0, 512, layout=gl.SliceLayout(0, MMA_O))
+        cols = gl.arange(0, DIM, layout=gl.SliceLayout(0, MMA_O))
+        # primitives.finish_rows / sparse_attn_combine.finish_partial_rows and partial_index, in Gluon
         no_keys = l == 0.0
         lse2 = gl.where(no_keys, 0.0, m2 + gl.log2(l))
         if not SPLIT:
@@ -275,34 +307,19 @@ if gluon is not None:
             gl.store(part_out + part[:, None] * DIM + cols[None, :], acc * scale[:, None], mask=head_ok[:, None])
 
 
-def launch_ws(q: torch.Tensor, swa: tuple, extra: tuple, attn_sink: torch.Tensor, softmax_scale: float,
-              out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor, *,
-              splits: int, has_extra: bool, block_n: int = BLOCK_N, stages: int = _STAGES,
-              producer_regs: int = _PRODUCER_REGS, max_regs: int = _MAX_REGS, prefetch: bool | None = None
-              ) -> None:
-    """The main kernel of the fused strategy, warp-specialised: fills out / lse, or with
-    ``splits > 1`` the partials ``part_out [T, S, H, 512]`` / ``part_lse [T, S, H]`` that the
-    caller combines (splits counted in ``block_n``-key blocks). ``swa`` / ``extra``: ``(cache,
-    page_size, indices, lengths)`` as normalised by ``launch_sparse_attn`` (stand-ins for a ratio-0
-    layer's extra set). ``block_n`` (keys per ring slot), ``stages`` (ring slots) and the register
-    budgets are tuning knobs (benchmarks); the defaults are the ones tested on the H200.
-    ``prefetch``: the producer's L2 prefetch two blocks ahead; by default on when a split can hold
-    ``_PREFETCH_MIN_KEYS`` keys (it costs a little on short lists)."""
-    T, H, _ = q.shape
-    head_blocks = triton.cdiv(H, HEAD_BLOCK)
-    swa_cache, swa_page_size, swa_indices, swa_lengths = swa
-    ex_cache, ex_page_size, ex_indices, ex_lengths = extra
-    width = swa_indices.shape[1] + (ex_indices.shape[1] if has_extra else 0)
+def launch_warp_specialized(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: torch.Tensor,
+                            softmax_scale: float, out: torch.Tensor, lse: torch.Tensor, partials: Partials | None,
+                            config: WarpSpecializedConfig) -> None:
+    """The fused kernel's work, warp-specialised: fills out / lse, or with ``partials`` (several
+    splits, counted in ``config.block_n``-key blocks) the partial buffers. Inputs as normalised
+    by ``sparse_attn_args.normalize``."""
+    args, consts = row_kernel_args(q, swa, extra, attn_sink, softmax_scale, out, lse, partials)
+    head_blocks = triton.cdiv(q.shape[1], HEAD_BLOCK)
+    splits = split_count(partials)
+    prefetch = config.prefetch
     if prefetch is None:
-        prefetch = width >= _PREFETCH_MIN_KEYS * splits
-    _sparse_attn_ws[(T * head_blocks, splits)](
-        q, q.stride(0), q.stride(1),
-        swa_cache, swa_cache.stride(0), swa_cache.shape[0] * swa_page_size, swa_indices, swa_indices.stride(0),
-        swa_lengths, swa_indices.shape[1],
-        ex_cache, ex_cache.stride(0), ex_cache.shape[0] * ex_page_size, ex_indices, ex_indices.stride(0),
-        ex_lengths, ex_indices.shape[1] if has_extra else 0,
-        attn_sink, out, lse, part_out, part_lse, H, splits, softmax_scale,
-        SWA_P=swa_page_size, EX_P=ex_page_size, HAS_EXTRA=has_extra, SPLIT=splits > 1,
-        NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=block_n, STAGES=stages,
-        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=producer_regs, PREFETCH=prefetch, num_warps=8,
-        maxnreg=max_regs)
+        prefetch = key_width(swa, extra) >= _PREFETCH_MIN_KEYS * splits
+    _sparse_attn_warp_specialized[(q.shape[0] * head_blocks, splits)](
+        *args, **consts, NUM_HEAD_BLOCKS=head_blocks, HEADS=HEAD_BLOCK, BLOCK=config.block_n, STAGES=config.stages,
+        PRODUCER_WARPS=_PRODUCER_WARPS, PRODUCER_REGS=config.producer_regs, PREFETCH=prefetch, num_warps=8,
+        maxnreg=config.max_regs)
