@@ -1,11 +1,19 @@
-"""Metadata references (SPEC §3), including the worked decode example of SPEC §4.8."""
+"""Metadata references (docs/semantics.md §3), including the worked decode example of
+docs/semantics.md §4.8, and the fused reference against the field table."""
 
 import torch
 
 from dsv4_compile import layout
+from dsv4_compile.metadata_chain import FIELDS, named
 from dsv4_compile.reference import indexer, metadata
+from dsv4_compile.testing import cache_inputs as inputs
 
 I32 = torch.int32
+
+
+def _rows(t):
+    """An ``out_cache_loc`` of ``t`` rows: ``expand_queries`` reads only its length."""
+    return torch.zeros(t, dtype=torch.int64)
 
 
 def _worked_example():
@@ -26,7 +34,7 @@ def test_worked_decode_example():
     out_cache_loc = torch.tensor([42 * 256 + 43])
     assert out_cache_loc.item() == 10795
     req, seq, start, end = metadata.expand_queries(torch.tensor([5], dtype=I32), torch.tensor([300], dtype=I32),
-                                                   torch.tensor([1], dtype=I32), 1)
+                                                   torch.tensor([1], dtype=I32), out_cache_loc)
     assert (req.item(), seq.item(), start.item(), end.item()) == (5, 300, 299, 300)
     req_to_page = metadata.page_map(req_to_token)
     page_table = metadata.build_page_table(req_to_page, req, seq)
@@ -59,7 +67,7 @@ def test_worked_decode_example():
 def test_expand_uniform_verify():
     rows = torch.tensor([3, 1], dtype=I32)
     seq = torch.tensor([10, 5], dtype=I32)  # post-step: committed 7 and 2, plus D = 3
-    req, seq_c, start, end = metadata.expand_queries(rows, seq, torch.tensor([3, 3], dtype=I32), 6)
+    req, seq_c, start, end = metadata.expand_queries(rows, seq, torch.tensor([3, 3], dtype=I32), _rows(6))
     assert req.tolist() == [3, 3, 3, 1, 1, 1]
     assert seq_c.tolist() == [8, 9, 10, 3, 4, 5]
     assert start.tolist() == [7, 7, 7, 2, 2, 2] and end.tolist() == [10, 10, 10, 5, 5, 5]
@@ -69,7 +77,7 @@ def test_expand_ragged_with_padding_rows_and_empty_requests():
     rows = torch.tensor([2, 0, 4], dtype=I32)  # the middle request is bucket padding
     seq = torch.tensor([6, 0, 300], dtype=I32)
     ext = torch.tensor([2, 0, 3], dtype=I32)
-    req, seq_c, start, end = metadata.expand_queries(rows, seq, ext, 8)
+    req, seq_c, start, end = metadata.expand_queries(rows, seq, ext, _rows(8))
     assert req.tolist() == [2, 2, 4, 4, 4, 0, 0, 0]
     assert seq_c.tolist() == [5, 6, 298, 299, 300, 1, 1, 1]
     assert start.tolist() == [4, 4, 297, 297, 297, 0, 0, 0]
@@ -78,9 +86,9 @@ def test_expand_ragged_with_padding_rows_and_empty_requests():
 
 def test_expand_idle():
     empty = torch.zeros(0, dtype=I32)
-    req, seq_c, start, end = metadata.expand_queries(empty, empty, empty, 3)
+    req, seq_c, start, end = metadata.expand_queries(empty, empty, empty, _rows(3))
     assert req.tolist() == [0, 0, 0] and seq_c.tolist() == [1, 1, 1]
-    assert all(t.shape == (0,) for t in metadata.expand_queries(empty, empty, empty, 0))
+    assert all(t.shape == (0,) for t in metadata.expand_queries(empty, empty, empty, _rows(0)))
 
 
 def test_short_sequences():
@@ -104,3 +112,16 @@ def test_short_sequences():
     assert c128_len.tolist() == [1, 1, 1, 1]
     assert torch.all(c128_idx[:3] == -1) and c128_idx[3, 0].item() == 10 and c128_idx[3, 1].item() == -1
     assert c128_out.tolist() == [-1, -1, -1, (5 * 256 + 127) // 128]
+
+
+def test_fused_reference_follows_the_field_table():
+    """``step_metadata`` returns every declared field, in table order, with its declared dtype and
+    shape (T = 5 rows, NP = 4 pages: c128 width 64)."""
+    gen = torch.Generator().manual_seed(3)
+    req_to_token, full_to_swa = inputs.index_maps(3, 1024, gen)
+    step = inputs.make_step(req_to_token, [3, 1], [300, 129], [2, 1], 5)
+    fused = metadata.step_metadata(*step.tensors(), req_to_token, metadata.page_map(req_to_token), full_to_swa, 64)
+    assert len(fused) == len(FIELDS)
+    for f, t in zip(FIELDS, fused):
+        assert t.dtype == f.dtype and t.shape == f.shape(5, 4), (f.name, t.dtype, t.shape)
+    assert named(fused)["c128_indices"].shape == (5, 64)
