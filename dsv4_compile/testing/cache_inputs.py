@@ -15,6 +15,7 @@ import torch
 
 from .. import layout
 from ..config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE
+from ..metadata_chain import named
 from ..reference import metadata as ref_meta
 from ..step import ForwardMode, StepInputs
 
@@ -101,7 +102,7 @@ def make_step(req_to_token: torch.Tensor, req_rows, seq_lens, extend_lens, num_t
     extend_lens = torch.as_tensor(extend_lens, dtype=torch.int32, device=device)
     t = int(extend_lens.sum()) if num_tokens is None else num_tokens
     step = StepInputs.make(mode, req_rows, seq_lens, extend_lens, [], num_tokens=t, device=device)
-    req, seq, _, _ = ref_meta.expand_queries(*step.tensors())
+    rows = named(ref_meta.expand_queries(*step.tensors()), "expand_queries")
     real = torch.arange(t, device=device) < step.extend_lens.sum()
-    slots = req_to_token[req.long(), (seq - 1).long()].long()
+    slots = req_to_token[rows["req_of_row"].long(), rows["seq_lens_causal"].long() - 1].long()
     return dataclasses.replace(step, out_cache_loc=torch.where(real, slots, 0))
