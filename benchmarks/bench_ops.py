@@ -47,8 +47,9 @@ from typing import Callable
 
 import torch
 
-from dsv4_compile import layout
+from dsv4_compile import ForwardMode, layout
 from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW
+from dsv4_compile.metadata_chain import FIELDS_BY_NAME, named, run_chain
 from dsv4_compile.ops.kernels import compressor as comp_kernels
 from dsv4_compile.ops.kernels import indexer as index_kernels
 from dsv4_compile.ops.kernels import kv_cache as kv_kernels
@@ -127,37 +128,16 @@ def _decode_step(req_to_token, b, capacity, gen):
     """A decode step of b distinct requests, lengths uniform in [capacity / 2, capacity]."""
     rows = torch.randperm(req_to_token.shape[0] - 1, generator=gen, device=gen.device)[:b] + 1
     seq = torch.randint(capacity // 2, capacity + 1, (b,), generator=gen, device=gen.device)
-    return inputs.make_step(req_to_token, rows, seq, [1] * b)
-
-
-def _expand_kernel(req_rows, seq_lens, extend_lens, out_cache_loc):
-    return meta_kernels.launch_expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-
-
-def _expand_reference(req_rows, seq_lens, extend_lens, out_cache_loc):
-    return ref_meta.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-
-
-KERNELS = dict(expand=_expand_kernel, page_table=meta_kernels.launch_build_page_table,
-               swa=meta_kernels.launch_build_swa_metadata, c4=meta_kernels.launch_build_c4_metadata,
-               c128=meta_kernels.launch_build_c128_metadata)
-REFERENCES = dict(expand=_expand_reference, page_table=ref_meta.build_page_table,
-                  swa=ref_meta.build_swa_metadata, c4=ref_meta.build_c4_metadata,
-                  c128=ref_meta.build_c128_metadata)
-
-
-def _metadata_chain(impl, step, req_to_token, req_to_page, full_to_swa):
-    """Every metadata op of a decode step of a model with c4 and c128 layers, in step order."""
-    req_rows, seq_lens, extend_lens, out_cache_loc = step
-    req_of_row, seq_causal, _, _ = impl["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    page_table = impl["page_table"](req_to_page, req_of_row, seq_causal)
-    impl["swa"](req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc)
-    impl["c4"](seq_causal, out_cache_loc, INDEX_TOPK)
-    impl["c128"](page_table, seq_causal, out_cache_loc)
+    return inputs.make_step(req_to_token, rows, seq, [1] * b, mode=ForwardMode.DECODE)
 
 
 def metadata_cases(args) -> list[Case]:
     """Each metadata op, and all of them chained, for decode at b requests and each capacity.
+
+    Each op runs on the reference's upstream fields (taken by name). The chain runs through the
+    ``dsv4::`` ops as ``build_step_metadata`` runs it (``metadata_chain.run_chain``: the five
+    kernels, without the ``positions`` subtraction) and fused (``dsv4::step_metadata``'s launcher);
+    both are timed against the reference of the whole chain.
 
     Bytes count useful data only, int32 throughout: expand reads 3 x 4 B per request and writes
     16 B per row; page_table reads the live prefix of the row's compact page map (contiguous) and
@@ -169,43 +149,37 @@ def metadata_cases(args) -> list[Case]:
     for capacity in args.capacity:
         gen = torch.Generator(device=args.device).manual_seed(capacity)
         req_to_token, full_to_swa = inputs.index_maps(max(args.batch), capacity, gen)
-        req_to_page = ref_meta.page_map(req_to_token)
+        maps = (req_to_token, ref_meta.page_map(req_to_token), full_to_swa)
         n_pages = capacity // PAGE_SIZE
-        width = ref_meta.ceil_to(2 * n_pages, 64)
+        width = FIELDS_BY_NAME["c128_indices"].columns(n_pages)
         for b in args.batch:
             step = _decode_step(req_to_token, b, capacity, gen)
-            req_rows, seq_lens, extend_lens, loc = step
-            req_of_row, seq_causal, _, _ = _expand_reference(*step)
-            page_table = ref_meta.build_page_table(req_to_page, req_of_row, seq_causal)
-            visible_pages = int(seq_lens.sum()) // PAGE_SIZE
+            want = named(ref_meta.step_metadata(*step.tensors(), *maps, INDEX_TOPK))
+            req_of_row, seq_causal, loc = want["req_of_row"], want["seq_lens_causal"], step.out_cache_loc
+            visible_pages = int(step.seq_lens.sum()) // PAGE_SIZE
             params = {"b": b, "capacity": capacity}
-            per_op = {  # case name -> (op key, arguments, bytes)
-                "expand_queries": ("expand", step, 28 * b),
-                "build_page_table": ("page_table", (req_to_page, req_of_row, seq_causal),
-                                     4 * b * n_pages + 4 * visible_pages + 8 * b),
-                "build_swa_metadata": ("swa", (req_to_token, full_to_swa, req_of_row, seq_causal, loc),
+            per_op = {  # op -> (arguments, bytes)
+                "expand_queries": (step.tensors(), 28 * b),
+                "build_page_table": ((maps[1], req_of_row, seq_causal), 4 * b * n_pages + 4 * visible_pages + 8 * b),
+                "build_swa_metadata": ((req_to_token, full_to_swa, req_of_row, seq_causal, loc),
                                        b * (4 * (3 * SWA_WINDOW + 4) + 8)),
-                "build_c4_metadata": ("c4", (seq_causal, loc, INDEX_TOPK), 24 * b),
-                "build_c128_metadata": ("c128", (page_table, seq_causal, loc),
+                "build_c4_metadata": ((seq_causal, loc, INDEX_TOPK), 24 * b),
+                "build_c128_metadata": ((want["page_table"], seq_causal, loc),
                                         4 * b * width + 4 * visible_pages + 24 * b),
             }
-            for name, (key, op_args, nbytes) in per_op.items():
-                cases.append(Case(name, params, family="metadata", bytes=nbytes,
-                                  kernel=partial(KERNELS[key], *op_args),
-                                  reference=partial(REFERENCES[key], *op_args)))
-            cases.append(Case("decode_metadata_total", params, family="metadata",
-                              bytes=sum(nbytes for _, _, nbytes in per_op.values()),
-                              kernel=partial(_metadata_chain, KERNELS, step, req_to_token, req_to_page, full_to_swa),
-                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, req_to_page,
-                                                full_to_swa),
-                              notes="expand + page_table + swa + c4 + c128 (5 launches)"))
+            for op, (op_args, nbytes) in per_op.items():
+                cases.append(Case(op, params, family="metadata", bytes=nbytes,
+                                  kernel=partial(getattr(meta_kernels, f"launch_{op}"), *op_args),
+                                  reference=partial(getattr(ref_meta, op), *op_args)))
+            chain_bytes = sum(nbytes for _, nbytes in per_op.values())
+            reference = partial(ref_meta.step_metadata, *step.tensors(), *maps, INDEX_TOPK)
+            cases.append(Case("decode_metadata_total", params, family="metadata", bytes=chain_bytes,
+                              kernel=partial(run_chain, torch.ops.dsv4, *step.tensors(), *maps, INDEX_TOPK),
+                              reference=reference, notes="expand + page_table + swa + c4 + c128 (5 launches)"))
             cases.append(Case("decode_metadata_fused", params, family="metadata",
-                              bytes=sum(nbytes for _, _, nbytes in per_op.values()) - 4 * visible_pages,
-                              kernel=partial(meta_kernels.launch_step_metadata, *step, req_to_token,
-                                             req_to_page, full_to_swa, INDEX_TOPK),
-                              reference=partial(_metadata_chain, REFERENCES, step, req_to_token, req_to_page,
-                                                full_to_swa),
-                              notes="dsv4::step_metadata: the same outputs in one launch"))
+                              bytes=chain_bytes - 4 * visible_pages,
+                              kernel=partial(meta_kernels.launch_step_metadata, *step.tensors(), *maps, INDEX_TOPK),
+                              reference=reference, notes="dsv4::step_metadata: the same outputs in one launch"))
     return cases
 
 

@@ -1,37 +1,26 @@
-"""Compiling a step: the one piece of graph bookkeeping left — padding a batch to a bucket size.
+"""Compiling a step: the whole stack as one graph, with CUDA graphs and the dsv4 FX passes.
 
 ``torch.compile(stack, mode="reduce-overhead", fullgraph=True)`` records one CUDA graph per
 distinct input shape and replays it whenever that shape comes back; the step's metadata is
 recomputed inside the graph from the step tensors, so nothing else has to be copied, refreshed
-or kept per bucket. Padding the request count and the token count up to a few bucket sizes keeps
-the number of recorded graphs small (SGLang's capture sizes, without its persistent metadata).
+or kept per bucket. Padding the request count and the token count up to a few bucket sizes
+(``step.REQUEST_BUCKETS`` / ``step.TOKEN_BUCKETS``) keeps the number of recorded graphs small
+(SGLang's capture sizes, without its persistent metadata).
 """
 
 from __future__ import annotations
-
-import bisect
-from collections.abc import Sequence
 
 import torch
 
 from .fx_passes import DSV4PassManager
 
-# Request counts (decode) and token counts (verify / extend) a step is padded up to.
-REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
 
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= ``n`` (``n`` itself past the largest bucket)."""
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else n
-
-
-def compile_step(stack: torch.nn.Module, *, cuda_graphs: bool = True, fuse: bool = True, **kwargs):
+def compile_step(stack: torch.nn.Module, *, cuda_graphs: bool = True, passes: DSV4PassManager | None = None,
+                 **kwargs):
     """``torch.compile(stack, fullgraph=True)`` — a whole step as one graph — with CUDA graphs
-    (what ``mode="reduce-overhead"`` sets; a no-op on CPU) and the dsv4 FX passes
-    (``fx_passes.DSV4PassManager``: the metadata chain fused into one op) unless turned off."""
-    options = {"triton.cudagraphs": cuda_graphs}
-    if fuse:
-        options["post_grad_custom_post_pass"] = DSV4PassManager()
+    (what ``mode="reduce-overhead"`` sets; a no-op on CPU) and ``passes`` installed as Inductor's
+    post-grad custom pass: by default a fresh :class:`DSV4PassManager` (every dsv4 pass: the
+    metadata chain fused into one op); ``DSV4PassManager([])`` installs none."""
+    options = {"triton.cudagraphs": cuda_graphs,
+               "post_grad_custom_post_pass": DSV4PassManager() if passes is None else passes}
     return torch.compile(stack, fullgraph=True, options=options, **kwargs)

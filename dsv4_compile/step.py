@@ -4,7 +4,8 @@
 pytree (the mode is its static context), so it passes through ``torch.compile`` and
 ``torch.export`` as plain tensor inputs. :func:`build_step_metadata` turns it into every
 per-step tensor the layers need by calling ``dsv4::`` metadata ops: a pure function of the step
-and the cache index maps, computed once per step and shared by all layers.
+and the cache index maps, computed once per step and shared by all layers. The bucket sizes a
+step is padded to (so that few distinct shapes are compiled) live here too.
 
 Conventions (the same in every mode):
 
@@ -22,16 +23,28 @@ from __future__ import annotations
 import bisect
 import enum
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.utils._pytree as pytree
 
+from . import ops  # noqa: F401  (registers the dsv4:: ops build_step_metadata calls)
 from .config import DSV4AttnConfig
+from .metadata_chain import FIELDS, run_chain
 
 if TYPE_CHECKING:
     from .cache import DSV4Cache
+
+# Request counts (decode) and token counts (verify / extend) a step is padded up to.
+REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
+TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
+
+
+def bucket(n: int, buckets: Sequence[int]) -> int:
+    """The smallest bucket >= ``n`` (``n`` itself past the largest bucket)."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else n
 
 
 class ForwardMode(enum.Enum):
@@ -104,61 +117,30 @@ pytree.register_pytree_node(
 )
 
 
-@dataclass
-class StepMetadata:
-    """Per-step tensors shared by every layer (SPEC §3). T rows, NP pages per request.
+def _step_metadata_class() -> type:
+    """``StepMetadata``: ``positions`` plus one attribute per field of ``metadata_chain.FIELDS``
+    (keyword-only; a field of compression ratio r defaults to None, as it is built only for stacks
+    with ratio-r layers in a mode that compresses)."""
+    attributes = [("positions", torch.Tensor)]
+    for f in FIELDS:
+        attributes.append((f.name, torch.Tensor | None, field(default=None)) if f.ratio else (f.name, torch.Tensor))
+    doc = "\n".join(["Per-step tensors shared by every layer (docs/semantics.md §3), all int32; T rows, "
+                     "NP pages per request, W = 128, K = ceil64(2 NP).", "",
+                     "positions: [T] seq_lens_causal - 1",
+                     *(f"{f.name}: {f.doc}" + (f" (None without ratio-{f.ratio} layers)" if f.ratio else "")
+                       for f in FIELDS)])
+    return make_dataclass("StepMetadata", attributes, kw_only=True,
+                          namespace={"__doc__": doc, "__module__": __name__})
 
-    Ratio-4 and ratio-128 fields are None when no layer needs them (or the mode compresses
-    nothing).
-    """
 
-    req_of_row: torch.Tensor  # [T] int32
-    positions: torch.Tensor  # [T] int32, pos = seq_lens_causal - 1
-    seq_lens_causal: torch.Tensor  # [T] int32
-    extend_start: torch.Tensor  # [T] int32, first position of the row's request in this step
-    extend_end: torch.Tensor  # [T] int32, post-step length of the row's request
-    page_table: torch.Tensor  # [T, NP] int32
-    swa_indices: torch.Tensor  # [T, 128] int32
-    swa_lengths: torch.Tensor  # [T] int32
-    swa_out_loc: torch.Tensor  # [T] int32
-    c4_out_loc: torch.Tensor | None = None  # [T] int32, -1 off-boundary
-    c4_visible: torch.Tensor | None = None  # [T] int32
-    c4_topk_lengths: torch.Tensor | None = None  # [T] int32
-    c128_out_loc: torch.Tensor | None = None  # [T] int32
-    c128_indices: torch.Tensor | None = None  # [T, ceil64(2 NP)] int32
-    c128_lengths: torch.Tensor | None = None  # [T] int32
+StepMetadata = _step_metadata_class()
 
 
 def build_step_metadata(step: StepInputs, cache: "DSV4Cache", config: DSV4AttnConfig) -> StepMetadata:
-    """All metadata of one step from the cache's index maps, through ``dsv4::`` ops (no host reads)."""
-    req_to_token, full_to_swa = cache.req_to_token, cache.full_to_swa
-    ops = torch.ops.dsv4
-    req_of_row, seq_causal, extend_start, extend_end = ops.expand_queries(
-        step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
-    page_table = ops.build_page_table(cache.req_to_page, req_of_row, seq_causal)
-    swa_indices, swa_lengths, swa_out_loc = ops.build_swa_metadata(
-        req_to_token, full_to_swa, req_of_row, seq_causal, step.out_cache_loc)
-    meta = StepMetadata(req_of_row, seq_causal - 1, seq_causal, extend_start, extend_end, page_table,
-                        swa_indices, swa_lengths, swa_out_loc)
+    """All metadata of one step from the cache's index maps, through ``dsv4::`` ops (no host reads):
+    the ratio-4 / ratio-128 fields when the stack has such layers and the mode compresses."""
     ratios = set(config.compress_ratios) if step.mode.needs_compress else set()
-    if 4 in ratios:
-        meta.c4_out_loc, meta.c4_visible, meta.c4_topk_lengths = ops.build_c4_metadata(
-            seq_causal, step.out_cache_loc, config.index_topk)
-    if 128 in ratios:
-        meta.c128_out_loc, meta.c128_indices, meta.c128_lengths = ops.build_c128_metadata(
-            page_table, seq_causal, step.out_cache_loc)
-    return meta
+    out = run_chain(torch.ops.dsv4, *step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa,
+                    config.index_topk, ratios)
+    return StepMetadata(positions=out["seq_lens_causal"] - 1, **out)
 
-
-# -- bucket sizes ------------------------------------------------------------------------------
-# Request counts (decode) and token counts (verify / extend) a step is padded up to, so that a
-# compiled step records one CUDA graph per bucket rather than per size.
-
-REQUEST_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256)
-TOKEN_BUCKETS = REQUEST_BUCKETS + (320, 384, 448, 512, 640, 768, 896, 1024)
-
-
-def bucket(n: int, buckets: Sequence[int]) -> int:
-    """The smallest bucket >= ``n`` (``n`` itself past the largest bucket)."""
-    i = bisect.bisect_left(buckets, n)
-    return buckets[i] if i < len(buckets) else n

@@ -1,7 +1,9 @@
 """Custom Inductor FX passes over ``dsv4::`` op graphs (installed as ``dsv4_compile.fx_passes``).
 
-Passes see the post-grad graph, where the metadata and cache ops appear as plain ``dsv4.*``
-nodes (mutating ones wrapped in ``auto_functionalized_v2``); see COMPILE_GUIDE §4.
+Passes see the post-grad graph: Inductor hands it to ``post_grad_custom_post_pass`` after
+functionalization and dead-code elimination, so the metadata and cache ops appear as plain
+``dsv4.*`` nodes, the mutating ones wrapped in ``auto_functionalized_v2`` (the op is the node's
+first argument, the mutated buffers its keyword arguments).
 """
 
 if __name__ != "dsv4_compile.fx_passes":  # installed from the top-level fx_passes/ folder

@@ -1,6 +1,6 @@
 """Common base of dsv4 Inductor passes: a ``CustomGraphPass`` whose ``uuid`` is a hash of its
 source (so the FX graph cache never reuses a graph a changed pass would rewrite differently),
-with a match counter and a snapshot of the graph it produced (for golden tests)."""
+with a match counter and the list of ``dsv4::`` ops of the graph it produced (for golden tests)."""
 
 from __future__ import annotations
 
@@ -19,12 +19,26 @@ def hash_source(*objects) -> str:
     return h.hexdigest()
 
 
+def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
+    """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
+    with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in
+    ``auto_functionalized_v2``)."""
+    names = []
+    for node in graph.nodes:
+        target, suffix = node.target, ""
+        if target is torch.ops.higher_order.auto_functionalized_v2:
+            target, suffix = node.args[0], " (in place)"
+        if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "dsv4":
+            names.append(f"{target}{suffix}")
+    return names
+
+
 class DSV4InductorPass(CustomGraphPass):
     """Subclasses implement :meth:`apply` (rewrite ``graph`` in place, return matches)."""
 
     def __init__(self) -> None:
         self.matched_count = 0
-        self.last_graph: str | None = None
+        self.last_ops: list[str] = []
 
     def apply(self, graph: torch.fx.Graph) -> int:
         raise NotImplementedError
@@ -32,7 +46,7 @@ class DSV4InductorPass(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.matched_count += self.apply(graph)
         graph.lint()
-        self.last_graph = str(graph)  # later Inductor passes keep mutating `graph`
+        self.last_ops = dsv4_ops(graph)  # later Inductor passes keep mutating `graph`
 
     def uuid(self) -> str:
         return hash_source(type(self), inspect.getmodule(type(self)))

@@ -1,8 +1,10 @@
-"""Per-step metadata (SPEC §3) — reference.
+"""Per-step metadata (docs/semantics.md §3) — reference.
 
 Pure functions of the step's device tensors and the cache's index maps, with fixed output shapes:
 ``T`` (query rows, padding included) comes from ``out_cache_loc``, widths from cache capacity
-(``L_max = req_to_token.shape[1]``), never from lengths. No host reads.
+(``L_max = req_to_token.shape[1]``), never from lengths. No host reads. Each function has the
+signature of its ``dsv4::`` op, and returns that op's fields as declared in
+``dsv4_compile.metadata_chain`` (names, order, shapes).
 
 Shape legend: B = requests, T = query rows, L_max = max tokens per request,
 NP = L_max // 256 pages per request, W = SWA window (128).
@@ -13,28 +15,28 @@ position 0: ``seq_len 1``, and every slot they read or write is the dummy slot 0
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from ..config import INDEX_ALIGN, PAGE_SIZE, SWA_WINDOW
+from ..config import PAGE_SIZE, SWA_WINDOW
+from ..metadata_chain import FIELD_NAMES, c128_columns, run_chain
 
 _I32 = torch.int32
 
 
-def ceil_to(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
 def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                   num_tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One row per query token (SPEC §3.2), requests concatenated in order.
+                   out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per query token (docs/semantics.md §3.2), requests concatenated in order.
 
     req_rows, seq_lens, extend_lens: [B] int32 — request pool rows, post-step lengths ``L_b`` and
-    tokens this step ``E_b`` (decode: 1; uniform verify: D; prefill/extend: chunk length).
+    tokens this step ``E_b`` (decode: 1; uniform verify: D; prefill/extend: chunk length);
+    out_cache_loc: [T] — only its length T (query rows, padding included) is read.
     Row ``j`` of request ``b`` is position ``L_b - E_b + j``. Returns, per row, int32 [T]:
     ``req_of_row``, ``seq_lens_causal`` (position + 1), ``extend_start = L_b - E_b`` (first position
     this step) and ``extend_end = L_b``.
     """
-    device = req_rows.device
+    num_tokens, device = out_cache_loc.shape[0], req_rows.device
     q = torch.arange(num_tokens, device=device)
     if req_rows.shape[0] == 0:  # idle: every row is padding
         zeros = torch.zeros(num_tokens, dtype=_I32, device=device)
@@ -60,7 +62,8 @@ def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
 def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                      seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``page_table[q, i] = req_to_page[req_q, i]`` (= ``req_to_token[req_q, 256 i] // 256``) for
-    the pages holding positions ``< seq_lens_causal[q]``, 0 past them: [T, NP] int32 (SPEC §3.3).
+    the pages holding positions ``< seq_lens_causal[q]``, 0 past them: [T, NP] int32
+    (docs/semantics.md §3.3).
     Every reader (c4 indexer, c128 indices) stays inside that prefix; a row of the compact page
     map is contiguous, so the table is a masked row copy."""
     live = torch.arange(req_to_page.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_causal.long().unsqueeze(1)
@@ -70,7 +73,7 @@ def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
                        seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sliding-window attention inputs (SPEC §3.3, §3.4, §3.7).
+    """Sliding-window attention inputs (docs/semantics.md §3.3, §3.4, §3.7).
 
     Returns ``swa_indices [T, 128] int32`` (newest first: k-th entry is the SWA slot of position
     ``pos - k``, -1 where ``pos - k < 0``), ``swa_lengths [T] int32 = min(pos + 1, 128)`` and
@@ -87,7 +90,7 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
 
 def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ratio-4 fields (SPEC §3.5, §3.6).
+    """Ratio-4 fields (docs/semantics.md §3.5, §3.6).
 
     Returns int32 [T]: ``c4_out_loc`` (``full_slot // 4`` for a row completing a window, else -1:
     skipped by the store), ``c4_visible = (pos + 1) // 4`` (compressed entries the row may see)
@@ -99,23 +102,9 @@ def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor
     return out_loc, visible, visible.clamp(1, topk).to(_I32)
 
 
-def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
-                  full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
-    """The outputs of :func:`expand_queries`, :func:`build_page_table`, :func:`build_swa_metadata`,
-    :func:`build_c4_metadata` and :func:`build_c128_metadata` for one step, in that order (14)."""
-    expanded = expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc.shape[0])
-    req_of_row, seq_causal = expanded[:2]
-    page_table = build_page_table(req_to_page, req_of_row, seq_causal)
-    return (*expanded, page_table,
-            *build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
-            *build_c4_metadata(seq_causal, out_cache_loc, topk),
-            *build_c128_metadata(page_table, seq_causal, out_cache_loc))
-
-
 def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ratio-128 fields (SPEC §3.5).
+    """Ratio-128 fields (docs/semantics.md §3.5).
 
     Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1),
     ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2``
@@ -124,8 +113,18 @@ def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
     seq = seq_lens_causal.long()
     out_loc = torch.where(seq % 128 == 0, out_cache_loc.long() // 128, -1).to(_I32)
     n_entries = 2 * page_table.shape[1]
-    j = torch.arange(ceil_to(n_entries, INDEX_ALIGN), device=seq.device)  # [K]
+    j = torch.arange(c128_columns(page_table.shape[1]), device=seq.device)  # [K]
     page = page_table.long()[:, (j // 2).clamp_max(page_table.shape[1] - 1)]  # [T, K]
     visible = (seq // 128).unsqueeze(1)
     indices = torch.where((j < visible) & (j < n_entries), page * 2 + j % 2, -1).to(_I32)
     return out_loc, indices, (seq // 128).clamp_min(1).to(_I32)
+
+
+def step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
+                  out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
+                  full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
+    """Every field of the step (the outputs of the five functions above, chained as
+    ``build_step_metadata`` chains the ops), in ``metadata_chain.FIELDS`` order."""
+    fields = run_chain(sys.modules[__name__], req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token,
+                       req_to_page, full_to_swa, topk)
+    return tuple(fields[name] for name in FIELD_NAMES)

@@ -2,17 +2,22 @@
 
 Every factory takes a ``torch.Generator`` on the target device, so the same seed gives the same
 inputs wherever a test runs. Index maps are fragmented: each request's pages are drawn from a
-shuffled pool twice as large as needed (STYLE habit 13), and positions past a request's length
-keep stale slots, as a real allocator leaves them.
+shuffled pool twice as large as needed (so neighbouring pages of a request are far apart, as
+after many admissions and releases), and positions past a request's length keep stale slots, as
+a real allocator leaves them.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from .. import layout as L
+from .. import layout
 from ..config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE
+from ..metadata_chain import named
 from ..reference import metadata as ref_meta
+from ..step import ForwardMode, StepInputs
 
 
 def model1_keys(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -20,15 +25,15 @@ def model1_keys(n: int, gen: torch.Generator) -> torch.Tensor:
     tiles: all zero (the amax floor), amax exactly ``448 * 2**j`` (scale boundary) and tiny."""
     device = gen.device
     k = torch.randn(n, HEAD_DIM, generator=gen, device=device)
-    tile_exp = torch.randint(-20, 13, (n, HEAD_DIM // L.FP8_TILE), generator=gen, device=device)
-    k = k * torch.exp2(tile_exp.float()).repeat_interleave(L.FP8_TILE, dim=1)
+    tile_exp = torch.randint(-20, 13, (n, HEAD_DIM // layout.FP8_TILE), generator=gen, device=device)
+    k = k * torch.exp2(tile_exp.float()).repeat_interleave(layout.FP8_TILE, dim=1)
     if n > 0:
-        k[0, :L.FP8_TILE] = 0.0
+        k[0, :layout.FP8_TILE] = 0.0
     if n > 1:
-        k[1, L.FP8_TILE:2 * L.FP8_TILE] = k[1, L.FP8_TILE:2 * L.FP8_TILE].clamp(-1, 1)
-        k[1, L.FP8_TILE] = -L.FP8_MAX * 4  # amax / 448 is exactly a power of two
+        k[1, layout.FP8_TILE:2 * layout.FP8_TILE] = k[1, layout.FP8_TILE:2 * layout.FP8_TILE].clamp(-1, 1)
+        k[1, layout.FP8_TILE] = -layout.FP8_MAX * 4  # amax / 448 is exactly a power of two
     if n > 2:
-        k[2, 2 * L.FP8_TILE:3 * L.FP8_TILE] *= 1e-7  # below the 1e-4 amax floor
+        k[2, 2 * layout.FP8_TILE:3 * layout.FP8_TILE] *= 1e-7  # below the 1e-4 amax floor
     return k.to(torch.bfloat16)
 
 
@@ -36,17 +41,17 @@ def all_bf16_tiles() -> torch.Tensor:
     """Every finite bf16 value in ``[-448, 448]`` laid out in nope tiles whose amax is exactly 448
     (scale 1), so the fp8 cast of every possible input is exercised: ``[rows, 512] bf16`` (CPU)."""
     bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    vals = bits[torch.isfinite(bits) & (bits.float().abs() <= L.FP8_MAX)]
-    per_tile = L.FP8_TILE - 1
+    vals = bits[torch.isfinite(bits) & (bits.float().abs() <= layout.FP8_MAX)]
+    per_tile = layout.FP8_TILE - 1
     n_tiles = -(-vals.numel() // per_tile)
     tiles = torch.zeros(n_tiles * per_tile, dtype=torch.bfloat16)
     tiles[:vals.numel()] = vals
-    tiles = torch.cat([torch.full((n_tiles, 1), L.FP8_MAX, dtype=torch.bfloat16),
+    tiles = torch.cat([torch.full((n_tiles, 1), layout.FP8_MAX, dtype=torch.bfloat16),
                        tiles.view(n_tiles, per_tile)], dim=1)  # [n_tiles, 64]
-    rows = -(-n_tiles // L.NUM_TILES)
-    nope = torch.full((rows * L.NUM_TILES, L.FP8_TILE), L.FP8_MAX, dtype=torch.bfloat16)
+    rows = -(-n_tiles // layout.NUM_TILES)
+    nope = torch.full((rows * layout.NUM_TILES, layout.FP8_TILE), layout.FP8_MAX, dtype=torch.bfloat16)
     nope[:n_tiles] = tiles
-    rope = torch.zeros(rows, HEAD_DIM - L.NUM_TILES * L.FP8_TILE, dtype=torch.bfloat16)
+    rope = torch.zeros(rows, HEAD_DIM - layout.NUM_TILES * layout.FP8_TILE, dtype=torch.bfloat16)
     return torch.cat([nope.view(rows, -1), rope], dim=1)
 
 
@@ -87,16 +92,17 @@ def index_maps(num_requests: int, max_seq_len: int, gen: torch.Generator, *,
     return req_to_token, full_to_swa
 
 
-def make_step(req_to_token: torch.Tensor, req_rows, seq_lens, extend_lens, num_tokens: int | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(req_rows, seq_lens, extend_lens, out_cache_loc)`` of a step on ``req_to_token``'s device:
-    int32 [B] x3 and int64 [T]; each real row writes the full slot of its position, padding rows
-    (``T = num_tokens > sum(extend_lens)``) write the dummy slot 0."""
+def make_step(req_to_token: torch.Tensor, req_rows, seq_lens, extend_lens, num_tokens: int | None = None, *,
+              mode: ForwardMode = ForwardMode.EXTEND) -> StepInputs:
+    """A step on ``req_to_token``'s device (``StepInputs.make``) whose real rows write the full slot
+    of their position; ``num_tokens`` (default ``sum(extend_lens)``) rows in all, the padding rows
+    writing the dummy slot 0. The mode only decides which compressed fields
+    ``build_step_metadata`` builds (none for ``DRAFT_EXTEND``)."""
     device = req_to_token.device
-    req_rows, seq_lens, extend_lens = (torch.as_tensor(v, dtype=torch.int32, device=device).reshape(-1)
-                                       for v in (req_rows, seq_lens, extend_lens))
+    extend_lens = torch.as_tensor(extend_lens, dtype=torch.int32, device=device)
     t = int(extend_lens.sum()) if num_tokens is None else num_tokens
-    req, seq, _, _ = ref_meta.expand_queries(req_rows, seq_lens, extend_lens, t)
-    out_cache_loc = req_to_token[req.long(), (seq - 1).long()].long()
-    real = torch.arange(t, device=device) < extend_lens.sum()
-    return req_rows, seq_lens, extend_lens, torch.where(real, out_cache_loc, 0)
+    step = StepInputs.make(mode, req_rows, seq_lens, extend_lens, [], num_tokens=t, device=device)
+    rows = named(ref_meta.expand_queries(*step.tensors()), "expand_queries")
+    real = torch.arange(t, device=device) < step.extend_lens.sum()
+    slots = req_to_token[rows["req_of_row"].long(), rows["seq_lens_causal"].long() - 1].long()
+    return dataclasses.replace(step, out_cache_loc=torch.where(real, slots, 0))

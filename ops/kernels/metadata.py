@@ -1,9 +1,14 @@
-"""Triton kernels for the per-step metadata ops (SPEC §3).
+"""Triton kernels for the per-step metadata ops (docs/semantics.md §3).
 
 One program per query row (the wide outputs also split their columns over a second grid axis).
 Output widths are fixed by capacity; loads are masked to what the row can see, so the work beyond
 the stores grows with true lengths. Values equal the reference's exactly (int32 outputs; integer
 division by the page size or ratio is floor division, as in PyTorch).
+
+Each launcher has its op's signature. Output buffers come from the field table
+(``metadata_chain.empty_outputs``) and reach a kernel by keyword: the kernel parameter of field
+``f`` is ``f_ptr``, so a kernel names the fields it writes instead of relying on their order.
+Kernel parameters are inputs, then outputs, then scalars (passed by keyword after the outputs).
 
 Shape legend: B = requests, T = query rows, R = request rows, L_max = tokens per request,
 NP = L_max // 256, W = 128 (SWA window), K = ceil64(2 NP) (c128 index width).
@@ -15,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ...config import INDEX_ALIGN, PAGE_SIZE, SWA_WINDOW
+from ...config import PAGE_SIZE, SWA_WINDOW
+from ...metadata_chain import empty_outputs
 
-_I32 = torch.int32
 _MAX_BLOCK = 1024  # columns per program for the wide outputs
 
 
@@ -109,52 +114,51 @@ def _c128_block(q, j, visible, page, indices_ptr, NP, K):
 
 
 @triton.jit
-def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_out_ptr, seq_out_ptr,
-                           start_out_ptr, end_out_ptr, B, BLOCK_B: tl.constexpr):
+def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_of_row_ptr, seq_lens_causal_ptr,
+                           extend_start_ptr, extend_end_ptr, B, BLOCK_B: tl.constexpr):
     q = tl.program_id(0)
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
-    tl.store(req_out_ptr + q, req)
-    tl.store(seq_out_ptr + q, seq)
-    tl.store(start_out_ptr + q, start)
-    tl.store(end_out_ptr + q, end)
+    tl.store(req_of_row_ptr + q, req)
+    tl.store(seq_lens_causal_ptr + q, seq)
+    tl.store(extend_start_ptr + q, start)
+    tl.store(extend_end_ptr + q, end)
 
 
 @triton.jit
-def _page_table_kernel(out_ptr, req_to_page_ptr, req_of_row_ptr, seq_ptr, stride_pr, stride_pp, NP,
+def _page_table_kernel(req_to_page_ptr, req_of_row_ptr, seq_ptr, page_table_ptr, stride_pr, stride_pp, NP,
                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
-    """``out[q, i] = req_to_page[req_q, i]`` for a block of pages i (0 past the row)."""
+    """``page_table[q, i] = req_to_page[req_q, i]`` for a block of pages i (0 past the row)."""
     q = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     req = tl.load(req_of_row_ptr + q)
     page = _page_block(req_to_page_ptr, req, tl.load(seq_ptr + q), i, stride_pr, stride_pp, NP, PAGE)
-    tl.store(out_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
+    tl.store(page_table_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
 
 
 @triton.jit
-def _swa_kernel(indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
-                req_of_row_ptr, seq_ptr, out_cache_loc_ptr, stride_rr, stride_rl, stride_f, n_swa,
-                W: tl.constexpr):
+def _swa_kernel(req_to_token_ptr, full_to_swa_ptr, req_of_row_ptr, seq_ptr, out_cache_loc_ptr, swa_indices_ptr,
+                swa_lengths_ptr, swa_out_loc_ptr, stride_rr, stride_rl, stride_f, n_swa, W: tl.constexpr):
     q = tl.program_id(0).to(tl.int64)
     _swa_row(q, tl.load(req_of_row_ptr + q), tl.load(seq_ptr + q), tl.load(out_cache_loc_ptr + q),
-             indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr, full_to_swa_ptr, stride_rr,
+             swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr, full_to_swa_ptr, stride_rr,
              stride_rl, stride_f, n_swa, W)
 
 
 @triton.jit
-def _c4_kernel(out_loc_ptr, visible_ptr, lengths_ptr, seq_ptr, out_cache_loc_ptr, T, topk,
+def _c4_kernel(seq_ptr, out_cache_loc_ptr, c4_out_loc_ptr, c4_visible_ptr, c4_topk_lengths_ptr, T, topk,
                BLOCK: tl.constexpr):
     q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = q < T
     out_loc, visible, lengths = _c4_fields(tl.load(seq_ptr + q, mask=m, other=1),
                                            tl.load(out_cache_loc_ptr + q, mask=m, other=0), topk)
-    tl.store(out_loc_ptr + q, out_loc, mask=m)
-    tl.store(visible_ptr + q, visible, mask=m)
-    tl.store(lengths_ptr + q, lengths, mask=m)
+    tl.store(c4_out_loc_ptr + q, out_loc, mask=m)
+    tl.store(c4_visible_ptr + q, visible, mask=m)
+    tl.store(c4_topk_lengths_ptr + q, lengths, mask=m)
 
 
 @triton.jit
-def _c128_kernel(out_loc_ptr, indices_ptr, lengths_ptr, page_table_ptr, seq_ptr, out_cache_loc_ptr,
-                 stride_pt, stride_pp, NP, K, BLOCK: tl.constexpr):
+def _c128_kernel(page_table_ptr, seq_ptr, out_cache_loc_ptr, c128_out_loc_ptr, c128_indices_ptr,
+                 c128_lengths_ptr, stride_pt, stride_pp, NP, K, BLOCK: tl.constexpr):
     """Column block ``blk`` of row q's c128 indices; block 0 also writes the row's scalars."""
     q = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -164,18 +168,18 @@ def _c128_kernel(out_loc_ptr, indices_ptr, lengths_ptr, page_table_ptr, seq_ptr,
     # only the visible prefix is read
     page = tl.load(page_table_ptr + q * stride_pt + (j // 2) * stride_pp, mask=(j < visible) & (j < 2 * NP),
                    other=0)
-    _c128_block(q, j, visible, page, indices_ptr, NP, K)
+    _c128_block(q, j, visible, page, c128_indices_ptr, NP, K)
     if blk == 0:
-        tl.store(out_loc_ptr + q, _compressed_out_loc(seq, tl.load(out_cache_loc_ptr + q), 128))
-        tl.store(lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
+        tl.store(c128_out_loc_ptr + q, _compressed_out_loc(seq, tl.load(out_cache_loc_ptr + q), 128))
+        tl.store(c128_lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
 
 
 @triton.jit
 def _step_metadata_kernel(
-        req_rows_ptr, seq_lens_ptr, extend_lens_ptr, out_cache_loc_ptr, req_to_token_ptr,
-        req_to_page_ptr, full_to_swa_ptr, req_out_ptr, seq_out_ptr, start_out_ptr, end_out_ptr, page_table_ptr,
+        req_rows_ptr, seq_lens_ptr, extend_lens_ptr, out_cache_loc_ptr, req_to_token_ptr, req_to_page_ptr,
+        full_to_swa_ptr, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr, page_table_ptr,
         swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, c4_out_loc_ptr, c4_visible_ptr,
-        c4_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
+        c4_topk_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
         B, stride_rr, stride_rl, stride_pr, stride_pp, stride_f, n_swa, NP, K, topk,
         PAGE: tl.constexpr, W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     """Every per-row field of a step in one launch: program (q, blk) expands row q, writes pages
@@ -192,17 +196,17 @@ def _step_metadata_kernel(
     j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i
     _c128_block(q, j, visible, page[:, None], c128_indices_ptr, NP, K)
     if blk == 0:
-        tl.store(req_out_ptr + q, req)
-        tl.store(seq_out_ptr + q, seq)
-        tl.store(start_out_ptr + q, start)
-        tl.store(end_out_ptr + q, end)
+        tl.store(req_of_row_ptr + q, req)
+        tl.store(seq_lens_causal_ptr + q, seq)
+        tl.store(extend_start_ptr + q, start)
+        tl.store(extend_end_ptr + q, end)
         loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
                  full_to_swa_ptr, stride_rr, stride_rl, stride_f, n_swa, W)
-        c4_out_loc, c4_visible, c4_lengths = _c4_fields(seq, loc, topk)
+        c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(seq, loc, topk)
         tl.store(c4_out_loc_ptr + q, c4_out_loc)
         tl.store(c4_visible_ptr + q, c4_visible)
-        tl.store(c4_lengths_ptr + q, c4_lengths)
+        tl.store(c4_topk_lengths_ptr + q, c4_topk_lengths)
         tl.store(c128_out_loc_ptr + q, _compressed_out_loc(seq, loc, 128))
         tl.store(c128_lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
 
@@ -216,95 +220,93 @@ def _rows(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.contiguous() for t in tensors)
 
 
-def _empty_i32(device, *shape: int) -> torch.Tensor:
-    return torch.empty(*shape, dtype=_I32, device=device)
+def _pointers(outputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Output buffers as keyword arguments: field ``f`` goes to the kernel parameter ``f_ptr``."""
+    return {f"{name}_ptr": t for name, t in outputs.items()}
 
 
 def launch_expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                          num_tokens: int) -> tuple[torch.Tensor, ...]:
-    """``(req_of_row, seq_lens_causal, extend_start, extend_end)`` int32 [T = num_tokens] from the
-    per-request ``req_rows, seq_lens, extend_lens`` [B] (int32/int64)."""
-    outs = tuple(_empty_i32(req_rows.device, num_tokens) for _ in range(4))
-    if num_tokens:
+                          out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(req_of_row, seq_lens_causal, extend_start, extend_end)`` int32 [T] from the per-request
+    ``req_rows, seq_lens, extend_lens`` [B] (int32/int64); of ``out_cache_loc`` only its length T
+    is read."""
+    t = out_cache_loc.shape[0]
+    outs = empty_outputs("expand_queries", t, None, req_rows.device)
+    if t:
         b = req_rows.shape[0]
-        _expand_queries_kernel[(num_tokens,)](*_rows(req_rows, seq_lens, extend_lens), *outs, b,
-                                              BLOCK_B=_block(b), num_warps=4)
-    return outs
+        _expand_queries_kernel[(t,)](*_rows(req_rows, seq_lens, extend_lens), **_pointers(outs), B=b,
+                                     BLOCK_B=_block(b), num_warps=4)
+    return tuple(outs.values())
 
 
 def launch_build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                             seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``[T, NP] int32``: full-pool page of each live 256-token page of the row's request, 0 after."""
     t, n_pages = req_of_row.shape[0], req_to_page.shape[1]
-    out = _empty_i32(req_of_row.device, t, n_pages)
+    outs = empty_outputs("build_page_table", t, n_pages, req_of_row.device)
     if t and n_pages:
         block = _block(n_pages)
         _page_table_kernel[(t, triton.cdiv(n_pages, block))](
-            out, req_to_page, *_rows(req_of_row, seq_lens_causal), req_to_page.stride(0), req_to_page.stride(1),
-            n_pages,
-            PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
-    return out
+            req_to_page, *_rows(req_of_row, seq_lens_causal), **_pointers(outs), stride_pr=req_to_page.stride(0),
+            stride_pp=req_to_page.stride(1), NP=n_pages, PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
+    return outs["page_table"]
 
 
 def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor,
                               req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
                               out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(swa_indices [T, 128], swa_lengths [T], swa_out_loc [T])`` int32 (SPEC §3.3, 3.4, 3.7)."""
+    """``(swa_indices [T, 128], swa_lengths [T], swa_out_loc [T])`` int32 (docs/semantics.md §3.3,
+    3.4, 3.7)."""
     t = req_of_row.shape[0]
-    indices, lengths, out_loc = (_empty_i32(req_of_row.device, t, SWA_WINDOW),
-                                 _empty_i32(req_of_row.device, t), _empty_i32(req_of_row.device, t))
+    outs = empty_outputs("build_swa_metadata", t, None, req_of_row.device)
     if t:
-        _swa_kernel[(t,)](indices, lengths, out_loc, req_to_token, full_to_swa,
-                          *_rows(req_of_row, seq_lens_causal, out_cache_loc), req_to_token.stride(0),
-                          req_to_token.stride(1), full_to_swa.stride(0), full_to_swa.shape[0],
-                          W=SWA_WINDOW, num_warps=1)
-    return indices, lengths, out_loc
+        _swa_kernel[(t,)](req_to_token, full_to_swa, *_rows(req_of_row, seq_lens_causal, out_cache_loc),
+                          **_pointers(outs), stride_rr=req_to_token.stride(0), stride_rl=req_to_token.stride(1),
+                          stride_f=full_to_swa.stride(0), n_swa=full_to_swa.shape[0], W=SWA_WINDOW, num_warps=1)
+    return tuple(outs.values())
 
 
 def launch_build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
                              topk: int) -> tuple[torch.Tensor, ...]:
-    """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (SPEC §3.5, 3.6)."""
+    """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (docs/semantics.md §3.5, 3.6)."""
     t = seq_lens_causal.shape[0]
-    outs = tuple(_empty_i32(seq_lens_causal.device, t) for _ in range(3))
+    outs = empty_outputs("build_c4_metadata", t, None, seq_lens_causal.device)
     if t:
         block = _block(t)
-        _c4_kernel[(triton.cdiv(t, block),)](*outs, *_rows(seq_lens_causal, out_cache_loc), t, topk,
-                                             BLOCK=block, num_warps=4)
-    return outs
+        _c4_kernel[(triton.cdiv(t, block),)](*_rows(seq_lens_causal, out_cache_loc), **_pointers(outs), T=t,
+                                             topk=topk, BLOCK=block, num_warps=4)
+    return tuple(outs.values())
 
 
 def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                                out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(c128_out_loc [T], c128_indices [T, K], c128_lengths [T])`` int32 (SPEC §3.5)."""
+    """``(c128_out_loc [T], c128_indices [T, K], c128_lengths [T])`` int32 (docs/semantics.md §3.5)."""
     t, n_pages = page_table.shape
-    width = triton.cdiv(2 * n_pages, INDEX_ALIGN) * INDEX_ALIGN
-    out_loc, indices, lengths = (_empty_i32(page_table.device, t), _empty_i32(page_table.device, t, width),
-                                 _empty_i32(page_table.device, t))
+    outs = empty_outputs("build_c128_metadata", t, n_pages, page_table.device)
+    width = outs["c128_indices"].shape[1]
     if t:
         block = _block(width)
         _c128_kernel[(t, max(triton.cdiv(width, block), 1))](  # block 0 writes the scalars
-            out_loc, indices, lengths, page_table, *_rows(seq_lens_causal, out_cache_loc),
-            page_table.stride(0), page_table.stride(1), n_pages, width, BLOCK=block, num_warps=4)
-    return out_loc, indices, lengths
+            page_table, *_rows(seq_lens_causal, out_cache_loc), **_pointers(outs), stride_pt=page_table.stride(0),
+            stride_pp=page_table.stride(1), NP=n_pages, K=width, BLOCK=block, num_warps=4)
+    return tuple(outs.values())
 
 
 def launch_step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
                          out_cache_loc: torch.Tensor, req_to_token: torch.Tensor, req_to_page: torch.Tensor,
                          full_to_swa: torch.Tensor, topk: int) -> tuple[torch.Tensor, ...]:
-    """Every output of expand_queries, build_page_table, build_swa_metadata, build_c4_metadata and
-    build_c128_metadata, in that order (14 int32 tensors), from one launch."""
+    """Every field of the step (``metadata_chain.FIELDS``, in that order: the outputs of the five
+    separate ops) from one launch."""
     t, n_pages = out_cache_loc.shape[0], req_to_page.shape[1]
-    width = triton.cdiv(2 * n_pages, INDEX_ALIGN) * INDEX_ALIGN
-    device = out_cache_loc.device
-    shapes = [(t,)] * 4 + [(t, n_pages), (t, SWA_WINDOW)] + [(t,)] * 6 + [(t, width), (t,)]
-    outs = [_empty_i32(device, *shape) for shape in shapes]
+    outs = empty_outputs(None, t, n_pages, out_cache_loc.device)
+    width = outs["c128_indices"].shape[1]
     if t:
         block = _block(width // 2)  # pages per program; their c128 entries are twice as many
         b = req_rows.shape[0]
         _step_metadata_kernel[(t, max(triton.cdiv(width // 2, block), 1))](  # block 0: row scalars
             *_rows(req_rows, seq_lens, extend_lens, out_cache_loc), req_to_token, req_to_page, full_to_swa,
-            *outs, b, req_to_token.stride(0), req_to_token.stride(1), req_to_page.stride(0), req_to_page.stride(1),
-            full_to_swa.stride(0), full_to_swa.shape[0],
-            n_pages, width, topk, PAGE=PAGE_SIZE, W=SWA_WINDOW, BLOCK_B=_block(b), BLOCK=block,
-            num_warps=4)
-    return tuple(outs)
+            **_pointers(outs), B=b, stride_rr=req_to_token.stride(0), stride_rl=req_to_token.stride(1),
+            stride_pr=req_to_page.stride(0), stride_pp=req_to_page.stride(1), stride_f=full_to_swa.stride(0),
+            n_swa=full_to_swa.shape[0], NP=n_pages, K=width, topk=topk, PAGE=PAGE_SIZE, W=SWA_WINDOW,
+            BLOCK_B=_block(b), BLOCK=block, num_warps=4)
+    return tuple(outs.values())

@@ -1,7 +1,7 @@
 """Cache-write and metadata ops on the GPU at real shapes, through ``torch.ops.dsv4`` (so the CUDA
 kernels registered in ``ops/kv_cache.py`` and ``ops/metadata.py`` run), against the reference:
 caches byte for byte (reference evaluated on the CPU, where its divisions are true divisions),
-metadata exactly (reference on the GPU); plus CUDA-graph capture and replay.
+metadata exactly and field by field (reference on the GPU); plus CUDA-graph capture and replay.
 
 Shapes: up to 16384 rows per store; metadata at L_max = 1M tokens per request (NP = 4096 pages,
 c128 width 8192) for decode at b = 1 / 32 / 256, uniform and ragged verify and a 16k-row prefill,
@@ -11,7 +11,8 @@ through the five separate ops and the fused ``dsv4::step_metadata``.
 import pytest
 import torch
 
-from dsv4_compile import layout as L
+from dsv4_compile import layout
+from dsv4_compile.metadata_chain import named, run_chain
 from dsv4_compile.reference import kv_store as ref_kv
 from dsv4_compile.reference import metadata as ref_meta
 from dsv4_compile.testing import cache_inputs as inputs
@@ -28,12 +29,12 @@ def _gen(seed=0):
 
 
 # -- cache writes and reads --------------------------------------------------------------------
-@pytest.mark.parametrize("page_size", [L.SWA_PAGE_SIZE, L.C4_PAGE_SIZE, L.C128_PAGE_SIZE])
+@pytest.mark.parametrize("page_size", [layout.SWA_PAGE_SIZE, layout.C4_PAGE_SIZE, layout.C128_PAGE_SIZE])
 @pytest.mark.parametrize("n", [1, 256, 16384])
 def test_store_kv_byte_exact(page_size, n):
     gen = _gen(n)
     num_pages = 2 * n // page_size + 3
-    cache = torch.randint(0, 256, (num_pages, L.model1_page_bytes(page_size)), generator=gen,
+    cache = torch.randint(0, 256, (num_pages, layout.model1_page_bytes(page_size)), generator=gen,
                           device="cuda", dtype=torch.uint8)  # canaries
     slots = inputs.distinct_slots(n, num_pages, page_size, gen, num_negative=n // 16)
     k = inputs.model1_keys(n, gen)
@@ -58,9 +59,9 @@ def _store_model1_reference(cache, slots, k, page_size):
 def test_store_kv_every_bf16_value_byte_exact():
     """The hardware fp32 -> e4m3 cast on every finite bf16 input in [-448, 448]."""
     k = inputs.all_bf16_tiles().cuda()
-    page_size = L.C4_PAGE_SIZE
+    page_size = layout.C4_PAGE_SIZE
     slots = torch.arange(k.shape[0], device="cuda") + page_size
-    cache = torch.zeros(2 + k.shape[0] // page_size, L.model1_page_bytes(page_size), dtype=torch.uint8,
+    cache = torch.zeros(2 + k.shape[0] // page_size, layout.model1_page_bytes(page_size), dtype=torch.uint8,
                         device="cuda")
     got = cache.clone()
     ops.store_kv(got, slots, k, page_size)
@@ -71,9 +72,9 @@ def test_store_kv_every_bf16_value_byte_exact():
 @pytest.mark.parametrize("n", [256, 16384])
 def test_store_index_k_byte_exact(k_dtype, n):
     gen = _gen(n + 1)
-    page_size = L.INDEX_PAGE_SIZE
+    page_size = layout.INDEX_PAGE_SIZE
     num_pages = 2 * n // page_size + 3
-    cache = torch.randint(0, 256, (num_pages, L.index_page_bytes(page_size)), generator=gen,
+    cache = torch.randint(0, 256, (num_pages, layout.index_page_bytes(page_size)), generator=gen,
                           device="cuda", dtype=torch.uint8)
     slots = inputs.distinct_slots(n, num_pages, page_size, gen, dtype=torch.int32, num_negative=n // 16)
     k = inputs.index_keys(n, k_dtype, gen)
@@ -105,7 +106,7 @@ STEPS = ["decode_b1", "decode_b32", "decode_b256", "verify_uniform_b64", "verify
 
 
 def _step(name, req_to_token, gen):
-    """``(req_rows, seq_lens, extend_lens, out_cache_loc)`` of a named step on distinct requests."""
+    """A named step (``StepInputs``) on distinct requests."""
     rows = torch.randperm(NUM_REQUESTS, generator=gen, device="cuda").to(torch.int32) + 1
     ones = torch.ones(NUM_REQUESTS, dtype=torch.int32, device="cuda")
     if name.startswith("decode_b"):
@@ -123,71 +124,70 @@ def _step(name, req_to_token, gen):
     return inputs.make_step(req_to_token, rows[:4], [9000, L_MAX, 5, 300000], [9000, 1, 0, 7000], 16384)
 
 
-def _assert_same(got, want):
-    for g, w in zip(got, want, strict=True):
-        assert g.dtype == torch.int32 and g.shape == w.shape, (g.dtype, g.shape, w.shape)
-        assert torch.equal(g, w)
+def _assert_fields(got, want):
+    """Each field of ``got`` (a dict by name) is int32 and equals the field of that name in ``want``."""
+    assert got
+    for name, g in got.items():
+        w = want[name]
+        assert g.dtype == torch.int32 and g.shape == w.shape, (name, g.dtype, g.shape, w.shape)
+        assert torch.equal(g, w), name
 
 
-def _chain(step, req_to_token, full_to_swa, topk, meta):
-    """The metadata ops of one step, in ``build_step_metadata`` order, through ``meta``."""
-    req_rows, seq_lens, extend_lens, out_cache_loc = step
-    expanded = meta["expand"](req_rows, seq_lens, extend_lens, out_cache_loc)
-    req_of_row, seq_causal = expanded[:2]
-    page_table = meta["page_table"](ref_meta.page_map(req_to_token), req_of_row, seq_causal)
-    return (*expanded, page_table,
-            *meta["swa"](req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
-            *meta["c4"](seq_causal, out_cache_loc, topk),
-            *meta["c128"](page_table, seq_causal, out_cache_loc))
+def _separate_ops(step, req_to_token, req_to_page, full_to_swa):
+    """Every field through the five separate ops, chained as ``build_step_metadata`` chains them."""
+    return run_chain(ops, *step.tensors(), req_to_token, req_to_page, full_to_swa, 512)
 
 
-OPS = dict(expand=ops.expand_queries, page_table=ops.build_page_table, swa=ops.build_swa_metadata,
-           c4=ops.build_c4_metadata, c128=ops.build_c128_metadata)
-REFS = dict(expand=lambda r, s, e, loc: ref_meta.expand_queries(r, s, e, loc.shape[0]),
-            page_table=ref_meta.build_page_table, swa=ref_meta.build_swa_metadata,
-            c4=ref_meta.build_c4_metadata, c128=ref_meta.build_c128_metadata)
+def _fused_op(step, req_to_token, req_to_page, full_to_swa):
+    return named(ops.step_metadata(*step.tensors(), req_to_token, req_to_page, full_to_swa, 512))
+
+
+def _reference(step, req_to_token, req_to_page, full_to_swa):
+    return named(ref_meta.step_metadata(*step.tensors(), req_to_token, req_to_page, full_to_swa, 512))
 
 
 @pytest.mark.parametrize("name", STEPS)
 def test_metadata_exact(index_maps, name):
     req_to_token, full_to_swa = index_maps
+    req_to_page = ref_meta.page_map(req_to_token)
     step = _step(name, req_to_token, _gen(5))
-    got = _chain(step, req_to_token, full_to_swa, 512, OPS)
-    fused = ops.step_metadata(*step, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
+    got = _separate_ops(step, req_to_token, req_to_page, full_to_swa)
+    fused = _fused_op(step, req_to_token, req_to_page, full_to_swa)
     torch.cuda.synchronize()
-    want = _chain(step, req_to_token, full_to_swa, 512, REFS)
+    want = _reference(step, req_to_token, req_to_page, full_to_swa)
     n_pages = L_MAX // 256
-    assert got[4].shape[1] == n_pages and got[-2].shape[1] == ref_meta.ceil_to(2 * n_pages, 64)
-    _assert_same(got, want)
-    _assert_same(fused, want)
+    assert got["page_table"].shape[1] == n_pages and got["c128_indices"].shape[1] == -(-2 * n_pages // 64) * 64
+    _assert_fields(got, want)
+    _assert_fields(fused, want)
 
 
 def test_metadata_and_store_replay_in_cuda_graph(index_maps):
     """Capture the metadata chain and a store once, replay on new step values: no host syncs,
     results follow the new inputs."""
     req_to_token, full_to_swa = index_maps
-    static = list(_step("decode_b256", req_to_token, _gen(10)))
-    cache = torch.zeros(8, L.model1_page_bytes(L.C128_PAGE_SIZE), dtype=torch.uint8, device="cuda")
+    req_to_page = ref_meta.page_map(req_to_token)
+    static = _step("decode_b256", req_to_token, _gen(10))
+    cache = torch.zeros(8, layout.model1_page_bytes(layout.C128_PAGE_SIZE), dtype=torch.uint8, device="cuda")
     keys = inputs.model1_keys(8, _gen(9))
     slots = torch.arange(8, device="cuda") + 2
     for _ in range(2):  # compile and warm up outside capture
-        _chain(static, req_to_token, full_to_swa, 512, OPS)
-        ops.step_metadata(*static, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
-        ops.store_kv(cache, slots, keys, L.C128_PAGE_SIZE)
+        _separate_ops(static, req_to_token, req_to_page, full_to_swa)
+        _fused_op(static, req_to_token, req_to_page, full_to_swa)
+        ops.store_kv(cache, slots, keys, layout.C128_PAGE_SIZE)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _chain(static, req_to_token, full_to_swa, 512, OPS)
-        fused = ops.step_metadata(*static, req_to_token, ref_meta.page_map(req_to_token), full_to_swa, 512)
-        ops.store_kv(cache, slots, keys, L.C128_PAGE_SIZE)
-    for dst, src in zip(static, _step("decode_b256", req_to_token, _gen(11))):
+        out = _separate_ops(static, req_to_token, req_to_page, full_to_swa)
+        fused = _fused_op(static, req_to_token, req_to_page, full_to_swa)
+        ops.store_kv(cache, slots, keys, layout.C128_PAGE_SIZE)
+    for dst, src in zip(static.tensors(), _step("decode_b256", req_to_token, _gen(11)).tensors(), strict=True):
         dst.copy_(src)
     keys.copy_(inputs.model1_keys(8, _gen(12)))
     cache.zero_()
     graph.replay()
     torch.cuda.synchronize()
-    want = _chain(static, req_to_token, full_to_swa, 512, REFS)
-    _assert_same(out, want)
-    _assert_same(fused, want)
+    want = _reference(static, req_to_token, req_to_page, full_to_swa)
+    _assert_fields(out, want)
+    _assert_fields(fused, want)
     assert torch.equal(cache.cpu(), _store_model1_reference(torch.zeros_like(cache), slots, keys,
-                                                            L.C128_PAGE_SIZE))
+                                                            layout.C128_PAGE_SIZE))

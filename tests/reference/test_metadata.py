@@ -1,11 +1,29 @@
-"""Metadata references (SPEC §3), including the worked decode example of SPEC §4.8."""
+"""Metadata references (docs/semantics.md §3), including the worked decode example of
+docs/semantics.md §4.8, and the fused reference against the field table."""
 
 import torch
 
 from dsv4_compile import layout
+from dsv4_compile.metadata_chain import FIELDS, named
 from dsv4_compile.reference import indexer, metadata
+from dsv4_compile.testing import cache_inputs as inputs
 
 I32 = torch.int32
+
+
+def _rows(t):
+    """An ``out_cache_loc`` of ``t`` rows: ``expand_queries`` reads only its length."""
+    return torch.zeros(t, dtype=torch.int64)
+
+
+def _fields(op, *args):
+    """The outputs of reference function ``op`` by field name."""
+    return named(getattr(metadata, op)(*args), op)
+
+
+def _expand(*args):
+    m = _fields("expand_queries", *args)
+    return m["req_of_row"], m["seq_lens_causal"], m["extend_start"], m["extend_end"]
 
 
 def _worked_example():
@@ -25,26 +43,28 @@ def test_worked_decode_example():
     req_to_token, full_to_swa = _worked_example()
     out_cache_loc = torch.tensor([42 * 256 + 43])
     assert out_cache_loc.item() == 10795
-    req, seq, start, end = metadata.expand_queries(torch.tensor([5], dtype=I32), torch.tensor([300], dtype=I32),
-                                                   torch.tensor([1], dtype=I32), 1)
+    req, seq, start, end = _expand(torch.tensor([5], dtype=I32), torch.tensor([300], dtype=I32),
+                                   torch.tensor([1], dtype=I32), out_cache_loc)
     assert (req.item(), seq.item(), start.item(), end.item()) == (5, 300, 299, 300)
     req_to_page = metadata.page_map(req_to_token)
     page_table = metadata.build_page_table(req_to_page, req, seq)
     assert page_table.shape == (1, 4) and page_table[0].tolist() == [17, 42, 0, 0]
     req_to_page[5, 2] = 99  # stale entries past the row's length are never read
     assert torch.equal(metadata.build_page_table(req_to_page, req, seq), page_table)
-    swa_idx, swa_len, swa_out = metadata.build_swa_metadata(req_to_token, full_to_swa, req, seq, out_cache_loc)
+    swa = _fields("build_swa_metadata", req_to_token, full_to_swa, req, seq, out_cache_loc)
     k = torch.arange(128)
     p = 299 - k
     want = torch.where(p >= 256, 7 * 256 + (p - 256), 3 * 256 + p)  # positions 299 ... 172
-    assert torch.equal(swa_idx[0], want.to(I32)) and swa_len.item() == 128
-    assert swa_out.item() == 7 * 256 + 43
-    c4_out, c4_visible, c4_len = metadata.build_c4_metadata(seq, out_cache_loc, 512)
-    assert c4_out.item() == 2698 == 42 * 64 + 10  # entry 74 (positions 296-299) at c4 page 42 offset 10
-    assert c4_visible.item() == 75 and c4_len.item() == 75
-    c128_out, c128_idx, c128_len = metadata.build_c128_metadata(page_table, seq, out_cache_loc)
-    assert c128_out.item() == -1  # 300 % 128 != 0: nothing to store
-    assert c128_len.item() == 2
+    assert torch.equal(swa["swa_indices"][0], want.to(I32)) and swa["swa_lengths"].item() == 128
+    assert swa["swa_out_loc"].item() == 7 * 256 + 43
+    c4 = _fields("build_c4_metadata", seq, out_cache_loc, 512)
+    assert c4["c4_out_loc"].item() == 2698 == 42 * 64 + 10  # entry 74 (positions 296-299) at c4 page 42 offset 10
+    c4_visible = c4["c4_visible"]
+    assert c4_visible.item() == 75 and c4["c4_topk_lengths"].item() == 75
+    c128 = _fields("build_c128_metadata", page_table, seq, out_cache_loc)
+    c128_idx = c128["c128_indices"]
+    assert c128["c128_out_loc"].item() == -1  # 300 % 128 != 0: nothing to store
+    assert c128["c128_lengths"].item() == 2
     assert c128_idx.shape == (1, 64) and c128_idx[0, :3].tolist() == [34, 35, -1]
     assert torch.all(c128_idx[0, 2:] == -1)
     # 75 visible entries <= top-k 512: the indexer selects all of them, unscored, in order
@@ -59,7 +79,7 @@ def test_worked_decode_example():
 def test_expand_uniform_verify():
     rows = torch.tensor([3, 1], dtype=I32)
     seq = torch.tensor([10, 5], dtype=I32)  # post-step: committed 7 and 2, plus D = 3
-    req, seq_c, start, end = metadata.expand_queries(rows, seq, torch.tensor([3, 3], dtype=I32), 6)
+    req, seq_c, start, end = _expand(rows, seq, torch.tensor([3, 3], dtype=I32), _rows(6))
     assert req.tolist() == [3, 3, 3, 1, 1, 1]
     assert seq_c.tolist() == [8, 9, 10, 3, 4, 5]
     assert start.tolist() == [7, 7, 7, 2, 2, 2] and end.tolist() == [10, 10, 10, 5, 5, 5]
@@ -69,7 +89,7 @@ def test_expand_ragged_with_padding_rows_and_empty_requests():
     rows = torch.tensor([2, 0, 4], dtype=I32)  # the middle request is bucket padding
     seq = torch.tensor([6, 0, 300], dtype=I32)
     ext = torch.tensor([2, 0, 3], dtype=I32)
-    req, seq_c, start, end = metadata.expand_queries(rows, seq, ext, 8)
+    req, seq_c, start, end = _expand(rows, seq, ext, _rows(8))
     assert req.tolist() == [2, 2, 4, 4, 4, 0, 0, 0]
     assert seq_c.tolist() == [5, 6, 298, 299, 300, 1, 1, 1]
     assert start.tolist() == [4, 4, 297, 297, 297, 0, 0, 0]
@@ -78,9 +98,9 @@ def test_expand_ragged_with_padding_rows_and_empty_requests():
 
 def test_expand_idle():
     empty = torch.zeros(0, dtype=I32)
-    req, seq_c, start, end = metadata.expand_queries(empty, empty, empty, 3)
+    req, seq_c, start, end = _expand(empty, empty, empty, _rows(3))
     assert req.tolist() == [0, 0, 0] and seq_c.tolist() == [1, 1, 1]
-    assert all(t.shape == (0,) for t in metadata.expand_queries(empty, empty, empty, 0))
+    assert all(t.shape == (0,) for t in metadata.expand_queries(empty, empty, empty, _rows(0)))
 
 
 def test_short_sequences():
@@ -92,15 +112,30 @@ def test_short_sequences():
     seq = torch.tensor([1, 3, 4, 128], dtype=I32)
     req = torch.ones(4, dtype=I32)
     loc = req_to_token[1, seq.long() - 1].long()
-    idx, lens, _ = metadata.build_swa_metadata(req_to_token, full_to_swa, req, seq, loc)
-    assert lens.tolist() == [1, 3, 4, 128]
+    swa = _fields("build_swa_metadata", req_to_token, full_to_swa, req, seq, loc)
+    idx = swa["swa_indices"]
+    assert swa["swa_lengths"].tolist() == [1, 3, 4, 128]
     assert idx[1, :4].tolist() == [514, 513, 512, -1]
     assert torch.all(idx[3] >= 512)
-    c4_out, visible, c4_len = metadata.build_c4_metadata(seq, loc, 512)
-    assert visible.tolist() == [0, 0, 1, 32] and c4_len.tolist() == [1, 1, 1, 32]
-    assert c4_out.tolist() == [-1, -1, (5 * 256 + 3) // 4, (5 * 256 + 127) // 4]
+    c4 = _fields("build_c4_metadata", seq, loc, 512)
+    assert c4["c4_visible"].tolist() == [0, 0, 1, 32] and c4["c4_topk_lengths"].tolist() == [1, 1, 1, 32]
+    assert c4["c4_out_loc"].tolist() == [-1, -1, (5 * 256 + 3) // 4, (5 * 256 + 127) // 4]
     page_table = metadata.build_page_table(metadata.page_map(req_to_token), req, seq)
-    c128_out, c128_idx, c128_len = metadata.build_c128_metadata(page_table, seq, loc)
-    assert c128_len.tolist() == [1, 1, 1, 1]
+    c128 = _fields("build_c128_metadata", page_table, seq, loc)
+    c128_idx = c128["c128_indices"]
+    assert c128["c128_lengths"].tolist() == [1, 1, 1, 1]
     assert torch.all(c128_idx[:3] == -1) and c128_idx[3, 0].item() == 10 and c128_idx[3, 1].item() == -1
-    assert c128_out.tolist() == [-1, -1, -1, (5 * 256 + 127) // 128]
+    assert c128["c128_out_loc"].tolist() == [-1, -1, -1, (5 * 256 + 127) // 128]
+
+
+def test_fused_reference_follows_the_field_table():
+    """``step_metadata`` returns every declared field, in table order, with its declared dtype and
+    shape (T = 5 rows, NP = 4 pages: c128 width 64)."""
+    gen = torch.Generator().manual_seed(3)
+    req_to_token, full_to_swa = inputs.index_maps(3, 1024, gen)
+    step = inputs.make_step(req_to_token, [3, 1], [300, 129], [2, 1], 5)
+    fused = metadata.step_metadata(*step.tensors(), req_to_token, metadata.page_map(req_to_token), full_to_swa, 64)
+    assert len(fused) == len(FIELDS)
+    for f, t in zip(FIELDS, fused):
+        assert t.dtype == f.dtype and t.shape == f.shape(5, 4), (f.name, t.dtype, t.shape)
+    assert named(fused)["c128_indices"].shape == (5, 64)
