@@ -1,9 +1,10 @@
 """Host-side page allocator: the bookkeeping a serving engine runs *between* steps.
 
 It hands out request rows, full-pool pages and SWA-pool pages, and writes the index maps of
-:class:`~dsv4_compile.cache.DSV4Cache` (``req_to_token``, ``req_to_page``, ``full_to_swa``). Nothing here runs
-inside a compiled step. Allocation is page-aligned (SPEC §2.1): the token at position ``pos`` gets
-full slot ``full_page * 256 + pos % 256`` and SWA slot ``swa_page * 256 + pos % 256``.
+:class:`~dsv4_compile.cache.DSV4Cache` (``req_to_token``, ``req_to_page``, ``full_to_swa``). Nothing
+here runs inside a compiled step. Allocation is page-aligned (docs/semantics.md §2.1): the token
+at position ``pos`` gets full slot ``full_page * 256 + pos % 256`` and SWA slot
+``swa_page * 256 + pos % 256``.
 
 Rollback (speculative decoding) is a :meth:`PageAllocator.truncate` to at most
 ``config.max_draft_tokens`` positions below the longest length the request has reached: the

@@ -1,4 +1,4 @@
-"""The paged DSV4 KV cache: fixed-capacity ``nn.Module`` buffers (SPEC §2).
+"""The paged DSV4 KV cache: fixed-capacity ``nn.Module`` buffers (docs/semantics.md §2).
 
 Index space (shared by all layers):
 
@@ -14,7 +14,7 @@ Per layer (``layers[i]``, a :class:`LayerCache`):
 * ``extra_kv`` — c4 pages ``[F, 37440]`` (64 entries) or c128 pages ``[F, 1728]`` (2 entries),
   indexed by full page id: compressed page P holds the entries of full page P.
 * ``index_k [F, 8448] uint8`` — indexer keys, 64 per page (ratio 4).
-* ``kv_state [R * ring, 2 Wc] fp32`` / ``index_state`` — compressor rings (SPEC §2.5), row
+* ``kv_state [R * ring, 2 Wc] fp32`` / ``index_state`` — compressor rings (docs/semantics.md §2.5), row
   ``req * ring + pos % ring``.
 
 Slot / page / row 0 of every pool is the dummy target and never handed out.

@@ -1,10 +1,11 @@
-"""Configuration of the DeepSeek V4 attention path (SPEC §1).
+"""Configuration of the DeepSeek V4 attention path (docs/semantics.md §1).
 
 One frozen dataclass describes every attention layer of a model: the hard constants of the
 attention path (head_dim 512 = 448 nope + 64 rope, window 128, page 256), the indexer, the
 low-rank q / grouped output projections, RoPE / YaRN settings and the per-layer compression
-ratios. Presets: ``flash`` and ``pro`` (released models, SPEC §1.3) and ``tiny`` (tests and the
-demo: every per-head dimension real, only hidden size, head counts and layer count shrunk).
+ratios. Presets: ``flash`` and ``pro`` (released models, docs/semantics.md §1.3) and ``tiny``
+(tests and the demo: every per-head dimension real, only hidden size, head counts and layer count
+shrunk).
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-# Hard constants of the attention path (SPEC §1.1). They are not configurable: the cache byte
-# layout and the kernels are built around them.
+# Hard constants of the attention path (docs/semantics.md §1.1). They are not configurable: the
+# cache byte layout and the kernels are built around them.
 HEAD_DIM = 512
 NOPE_DIM = 448
 ROPE_DIM = 64
@@ -80,11 +81,11 @@ class DSV4AttnConfig:
 
     @property
     def index_weight_scale(self) -> float:
-        """``index_head_dim**-0.5 * index_n_heads**-0.5`` (SPEC §4.3 step 3)."""
+        """``index_head_dim**-0.5 * index_n_heads**-0.5`` (docs/semantics.md §4.3 step 3)."""
         return INDEX_HEAD_DIM ** -0.5 * self.index_n_heads ** -0.5
 
     def state_ring(self, ratio: int) -> int:
-        """Rows of compressor state kept per request for a layer of ``ratio`` (SPEC §2.5).
+        """Rows of compressor state kept per request for a layer of ``ratio`` (docs/semantics.md §2.5).
 
         A completed window reads the last ``2*ratio`` (c4, overlapping) or ``ratio`` (c128)
         positions. A verify step writes ``max_draft_tokens`` positions past the committed length

@@ -1,4 +1,4 @@
-"""One DeepSeek V4 attention layer (SPEC §1.4, §4) and a small stack of them.
+"""One DeepSeek V4 attention layer (docs/semantics.md §1.4, §4) and a small stack of them.
 
 ``DSV4Attention.forward(x, meta, cache)`` runs, for the step's T query rows::
 
@@ -38,7 +38,7 @@ def _init_linear(w: torch.Tensor, gen: torch.Generator) -> None:
 
 
 class Compressor(nn.Module):
-    """Projection weights of one compressor (SPEC §4.2): entry dim ``d``, ratio 4 or 128."""
+    """Projection weights of one compressor (docs/semantics.md §4.2): entry dim ``d``, ratio 4 or 128."""
 
     def __init__(self, config: DSV4AttnConfig, d: int, ratio: int, rotate: bool, dtype: torch.dtype):
         super().__init__()
@@ -72,7 +72,8 @@ class Compressor(nn.Module):
 
 
 class Indexer(nn.Module):
-    """Lightning indexer weights (SPEC §4.3): its query projection, head weights and compressor."""
+    """Lightning indexer weights (docs/semantics.md §4.3): its query projection, head weights and
+    compressor."""
 
     def __init__(self, config: DSV4AttnConfig, dtype: torch.dtype):
         super().__init__()

@@ -1,4 +1,4 @@
-"""RoPE frequencies per layer, with YaRN for compressed layers (SPEC §1.2)."""
+"""RoPE frequencies per layer, with YaRN for compressed layers (docs/semantics.md §1.2)."""
 
 from __future__ import annotations
 

@@ -33,12 +33,6 @@ except ImportError:
 NAMESPACE = "dsv4"
 
 
-def cuda_kernel(op):
-    """``op.register_kernel("cuda")`` where Triton is installed, else a no-op decorator: for an op
-    defined with ``torch.library.custom_op`` directly rather than through :func:`dsv4_op`."""
-    return op.register_kernel("cuda") if HAS_TRITON else (lambda fn: fn)
-
-
 def _checked(fn: Callable, check: Callable) -> Callable:
     @functools.wraps(fn)
     def run(*args, **kwargs):

@@ -22,7 +22,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def apply_rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                inverse: bool = False) -> torch.Tensor:
-    """Interleaved-pair (GPT-J) RoPE on the last dim of ``x`` (SPEC §1.2).
+    """Interleaved-pair (GPT-J) RoPE on the last dim of ``x`` (docs/semantics.md §1.2).
 
     x: [..., 64]; positions: int tensor broadcastable to ``x.shape[:-1]``; inv_freq: [32] fp32.
     Pairs ``(x[2i], x[2i+1])`` are multiplied by ``exp(j * pos * inv_freq[i])`` (by its conjugate
