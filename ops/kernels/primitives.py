@@ -97,12 +97,13 @@ def hadamard_pm1(n: tl.constexpr):
 
 # -- MODEL1 gather / dequantisation ------------------------------------------------------------
 @triton.jit
-def row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA: tl.constexpr):
-    """(SWA keys, all keys) of ``row``: each list's length clamped to [0, its width]."""
-    n_swa = tl.minimum(tl.maximum(tl.load(swa_len + row), 0), swa_width).to(tl.int32)
+def row_key_counts(swa, ex, row, HAS_EXTRA: tl.constexpr):
+    """(SWA keys, all keys) of ``row``: each list's length clamped to [0, its width]. swa / ex: the
+    lists' ``sparse_attn_args.EntryList`` arguments."""
+    n_swa = tl.minimum(tl.maximum(tl.load(swa.lengths + row), 0), swa.width).to(tl.int32)
     n_all = n_swa
     if HAS_EXTRA:
-        n_all += tl.minimum(tl.maximum(tl.load(ex_len + row), 0), ex_width).to(tl.int32)
+        n_all += tl.minimum(tl.maximum(tl.load(ex.lengths + row), 0), ex.width).to(tl.int32)
     return n_swa, n_all
 
 
@@ -117,22 +118,20 @@ def _slots(idx_row, m, in_set, capacity, P: tl.constexpr):
 
 
 @triton.jit
-def gather_entries(pos, hi, n_swa, row,
-                   swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-                   ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
-                   SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr):
+def gather_entries(pos, hi, n_swa, row, swa, ex, SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr):
     """Entries at positions ``pos [BLOCK_N]`` of ``row`` -> (data, scales, valid): [BLOCK_N]
     uint8 pointers to each entry's data and scale bytes, and whether the position is below ``hi``
-    and holds an in-range slot (invalid ones point at slot 0 of the SWA cache; mask their loads)."""
+    and holds an in-range slot (invalid ones point at slot 0 of the SWA cache; mask their loads).
+    swa / ex: the lists' ``sparse_attn_args.EntryList`` arguments."""
     in_swa = pos < n_swa
-    page, off, valid = _slots(swa_idx + row * stride_swa_idx, pos, in_swa & (pos < hi), swa_capacity, SWA_P)
-    base = swa_cache + page * swa_page_stride
+    page, off, valid = _slots(swa.indices + row * swa.index_stride, pos, in_swa & (pos < hi), swa.capacity, SWA_P)
+    base = swa.cache + page * swa.page_stride
     data = base + off * DATA_BYTES
     scales = base + SWA_P * DATA_BYTES + off * SCALE_BYTES
     if HAS_EXTRA:
-        ex_page, ex_off, ex_valid = _slots(ex_idx + row * stride_ex_idx, pos - n_swa,
-                                           (pos >= n_swa) & (pos < hi), ex_capacity, EX_P)
-        ex_base = ex_cache + ex_page * ex_page_stride
+        ex_page, ex_off, ex_valid = _slots(ex.indices + row * ex.index_stride, pos - n_swa,
+                                           (pos >= n_swa) & (pos < hi), ex.capacity, EX_P)
+        ex_base = ex.cache + ex_page * ex.page_stride
         data = tl.where(in_swa, data, ex_base + ex_off * DATA_BYTES)
         scales = tl.where(in_swa, scales, ex_base + EX_P * DATA_BYTES + ex_off * SCALE_BYTES)
         valid = valid | ex_valid

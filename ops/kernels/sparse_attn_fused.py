@@ -69,15 +69,13 @@ def _store_cols(dst, x, scale, mask, COL: tl.constexpr, WIDTH: tl.constexpr, DTY
 
 @triton.jit
 def _sparse_attn_fused(
-    q, stride_qt, stride_qh,
-    swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
-    ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
-    sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
+    q, stride_qt, stride_qh, swa, ex, sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
     SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, SPLIT: tl.constexpr,
     HEAD_BLOCK: tl.constexpr, NUM_HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_F32: tl.constexpr, PDL: tl.constexpr,
 ):
-    """Grid ``(T * NUM_HEAD_BLOCKS, num_splits)``; arguments as ``sparse_attn_args.row_kernel_args``.
+    """Grid ``(T * NUM_HEAD_BLOCKS, num_splits)``; arguments as ``sparse_attn_args.row_kernel_args``
+    (swa / ex: the lists' ``EntryList`` tuples).
 
     Not SPLIT (num_splits == 1): writes out [T, H, 512] bf16 and lse [T, H] fp32 (natural log,
     no sink). Else: the partials of ``sparse_attn_combine.py``. PDL: let the combine launch now
@@ -97,7 +95,7 @@ def _sparse_attn_fused(
     q2 = _load_q(q_rows, head_ok, _G2, NOPE - _G2, DTYPE)
     q3 = _load_q(q_rows, head_ok, NOPE, ROPE, DTYPE)
 
-    n_swa, n_all = row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA)
+    n_swa, n_all = row_key_counts(swa, ex, row, HAS_EXTRA)
     chunk = tl.cdiv(tl.cdiv(n_all, num_splits), BLOCK_N) * BLOCK_N
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_all)
@@ -109,10 +107,8 @@ def _sparse_attn_fused(
     acc2 = tl.zeros((HEAD_BLOCK, NOPE - _G2), tl.float32)
     acc3 = tl.zeros((HEAD_BLOCK, ROPE), tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        data, scales, valid = gather_entries(
-            start + tl.arange(0, BLOCK_N), hi, n_swa, row,
-            swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-            ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, SWA_P, EX_P, HAS_EXTRA)
+        data, scales, valid = gather_entries(start + tl.arange(0, BLOCK_N), hi, n_swa, row, swa, ex,
+                                             SWA_P, EX_P, HAS_EXTRA)
         s_lo = scale_word(scales, valid, 0)
         s_hi = scale_word(scales, valid, 1)
         k0 = dequant_nope(data, s_lo, valid, 0, _G1, DTYPE)

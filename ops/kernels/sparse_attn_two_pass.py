@@ -41,7 +41,7 @@ from ...config import HEAD_DIM
 from .host import INTERPRET
 from .primitives import (DIM, LOG2E, NUM_NOPE_TILES, TILE, dequant_tile, finish_rows, gather_entries, load_rope,
                          row_key_counts, scale_word, softmax_rescale)
-from .sparse_attn_args import key_width, list_args
+from .sparse_attn_args import entry_lists, key_width
 
 if TYPE_CHECKING:
     from ...attention import KVSet
@@ -63,14 +63,12 @@ class TwoPassConfig:
 
 @triton.jit
 def _block_scores(
-    q, stride_qt, stride_qh,
-    swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
-    ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
-    probs, block_max, block_sum, num_heads, num_blocks, softmax_scale,
+    q, stride_qt, stride_qh, swa, ex, probs, block_max, block_sum, num_heads, num_blocks, softmax_scale,
     SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     NUM_HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
 ):
-    """Grid ``(T * NUM_HEAD_BLOCKS * NB,)``, the key block fastest (a row's blocks share its q in L2).
+    """Grid ``(T * NUM_HEAD_BLOCKS * NB,)``, the key block fastest (a row's blocks share its q in L2);
+    swa / ex: the lists' ``sparse_attn_args.EntryList`` tuples.
 
     Writes probs [T, H, W] DTYPE ``exp2(s2 - m_blk)`` (0 for invalid keys) and block_max /
     block_sum [T, H, NB] fp32 (base 2; -inf / 0 for a block without valid keys). Blocks past the
@@ -81,12 +79,10 @@ def _block_scores(
     row = (row_hb // NUM_HEAD_BLOCKS).to(tl.int64)
     heads = (row_hb % NUM_HEAD_BLOCKS) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     head_ok = heads < num_heads
-    n_swa, n_all = row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA)
+    n_swa, n_all = row_key_counts(swa, ex, row, HAS_EXTRA)
     pos = block * BLOCK_N + tl.arange(0, BLOCK_N)
     if block * BLOCK_N < n_all:
-        data, scales, valid = gather_entries(
-            pos, n_all, n_swa, row, swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-            ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, SWA_P, EX_P, HAS_EXTRA)
+        data, scales, valid = gather_entries(pos, n_all, n_swa, row, swa, ex, SWA_P, EX_P, HAS_EXTRA)
         q_rows = q + row * stride_qt + heads[:, None] * stride_qh + tl.arange(0, TILE)[None, :]
         s_lo = scale_word(scales, valid, 0)
         s_hi = scale_word(scales, valid, 1)
@@ -110,17 +106,13 @@ def _block_scores(
 
 @triton.jit
 def _weighted_values(acc_a, acc_b, probs_rows, block_max_rows, m2, n_blocks, head_ok, tile, n_swa, n_all, row,
-                     swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-                     ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
-                     SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, ROPE: tl.constexpr,
+                     swa, ex, SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, ROPE: tl.constexpr,
                      BLOCK_N: tl.constexpr, DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr):
     """``acc_a += sum_blk exp2(m_blk - m2) p_blk @ v_blk[:, tile]`` over the row's key blocks, and
     ``acc_b`` likewise for tile ``tile + 1`` (nope, fp8) or, if ``ROPE``, the rope tile (bf16)."""
     for block in tl.range(0, n_blocks, num_stages=NUM_STAGES):
         pos = block * BLOCK_N + tl.arange(0, BLOCK_N)
-        data, scales, valid = gather_entries(
-            pos, n_all, n_swa, row, swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-            ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, SWA_P, EX_P, HAS_EXTRA)
+        data, scales, valid = gather_entries(pos, n_all, n_swa, row, swa, ex, SWA_P, EX_P, HAS_EXTRA)
         weight = tl.exp2(tl.load(block_max_rows + block, mask=head_ok, other=float("-inf")) - m2)
         p = tl.load(probs_rows + pos[None, :], mask=head_ok[:, None], other=0.0).to(tl.float32)
         p = (p * weight[:, None]).to(DTYPE)
@@ -136,10 +128,7 @@ def _weighted_values(acc_a, acc_b, probs_rows, block_max_rows, m2, n_blocks, hea
 
 @triton.jit
 def _block_values(
-    probs, block_max, block_sum,
-    swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
-    ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
-    sink, out, lse, num_heads, num_blocks,
+    probs, block_max, block_sum, swa, ex, sink, out, lse, num_heads, num_blocks,
     SWA_P: tl.constexpr, EX_P: tl.constexpr, HAS_EXTRA: tl.constexpr, HEAD_BLOCK: tl.constexpr,
     NUM_HEAD_BLOCKS: tl.constexpr, BLOCK_N: tl.constexpr, STATS_BLOCK: tl.constexpr,
     DTYPE: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -147,7 +136,8 @@ def _block_values(
     """Grid ``(T * NUM_HEAD_BLOCKS * 4,)``, the column pair fastest (a row's 4 pairs share its
     probabilities in L2). Pair ``g`` writes out [T, H, 512] bf16 columns ``[128 g, 128 g + 128)``
     (tiles 2g and 2g + 1; pair 3 is nope tile 6 and the rope tile) and, from pair 0, lse [T, H]
-    fp32 (natural log, no sink; +inf and out 0 for a row without valid keys)."""
+    fp32 (natural log, no sink; +inf and out 0 for a row without valid keys). swa / ex: the lists'
+    ``sparse_attn_args.EntryList`` tuples."""
     pid = tl.program_id(0)
     tile = 2 * (pid % _COL_PAIRS)
     row_hb = pid // _COL_PAIRS
@@ -155,7 +145,7 @@ def _block_values(
     heads = (row_hb % NUM_HEAD_BLOCKS) * HEAD_BLOCK + tl.arange(0, HEAD_BLOCK)
     head_ok = heads < num_heads
     row_heads = row * num_heads + heads
-    n_swa, n_all = row_key_counts(swa_len, swa_width, ex_len, ex_width, row, HAS_EXTRA)
+    n_swa, n_all = row_key_counts(swa, ex, row, HAS_EXTRA)
     n_blocks = tl.cdiv(n_all, BLOCK_N)
 
     # Row max and sum over the blocks' statistics (online, STATS_BLOCK blocks per step).
@@ -176,14 +166,12 @@ def _block_values(
     acc_b = tl.zeros((HEAD_BLOCK, TILE), tl.float32)
     if tile + 1 < NUM_NOPE_TILES:
         acc_a, acc_b = _weighted_values(acc_a, acc_b, probs_rows, block_max_rows, m_safe, n_blocks, head_ok, tile,
-                                        n_swa, n_all, row, swa_cache, swa_page_stride, swa_capacity, swa_idx,
-                                        stride_swa_idx, ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
-                                        SWA_P, EX_P, HAS_EXTRA, False, BLOCK_N, DTYPE, NUM_STAGES)
+                                        n_swa, n_all, row, swa, ex, SWA_P, EX_P, HAS_EXTRA, False, BLOCK_N, DTYPE,
+                                        NUM_STAGES)
     else:
         acc_a, acc_b = _weighted_values(acc_a, acc_b, probs_rows, block_max_rows, m_safe, n_blocks, head_ok, tile,
-                                        n_swa, n_all, row, swa_cache, swa_page_stride, swa_capacity, swa_idx,
-                                        stride_swa_idx, ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
-                                        SWA_P, EX_P, HAS_EXTRA, True, BLOCK_N, DTYPE, NUM_STAGES)
+                                        n_swa, n_all, row, swa, ex, SWA_P, EX_P, HAS_EXTRA, True, BLOCK_N, DTYPE,
+                                        NUM_STAGES)
 
     scale, row_lse = finish_rows(m_safe, l, sink, heads, head_ok)
     dst = out + row_heads[:, None] * DIM + (tile * TILE + tl.arange(0, TILE))[None, :]
@@ -210,11 +198,11 @@ def launch_two_pass(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink:
     tl_dtype = tl.float32 if INTERPRET else tl.bfloat16
     for lo in range(0, T, rows):  # row chunks: views, so each launch sees rows [lo, hi) from 0
         hi = min(T, lo + rows)
-        lists, consts = list_args(swa, extra, slice(lo, hi))
+        swa_list, ex_list, consts = entry_lists(swa, extra, slice(lo, hi))
         consts.update(HEAD_BLOCK=head_block, NUM_HEAD_BLOCKS=head_blocks, BLOCK_N=block_n, DTYPE=tl_dtype)
         _block_scores[((hi - lo) * head_blocks * num_blocks,)](
-            q[lo:hi], q.stride(0), q.stride(1), *lists, probs, block_max, block_sum, H, num_blocks,
+            q[lo:hi], q.stride(0), q.stride(1), swa_list, ex_list, probs, block_max, block_sum, H, num_blocks,
             softmax_scale, **consts, NUM_STAGES=config.num_stages[0], num_warps=config.num_warps[0])
         _block_values[((hi - lo) * head_blocks * _NUM_PAIRS,)](
-            probs, block_max, block_sum, *lists, attn_sink, out[lo:hi], lse[lo:hi], H, num_blocks,
+            probs, block_max, block_sum, swa_list, ex_list, attn_sink, out[lo:hi], lse[lo:hi], H, num_blocks,
             **consts, STATS_BLOCK=_STATS_BLOCK, NUM_STAGES=config.num_stages[1], num_warps=config.num_warps[1])

@@ -100,18 +100,18 @@ if gluon is not None:
         return gl.load(ptrs, mask=pos < hi, other=-1)
 
     @gluon.jit
-    def _entry_ptrs(slot, in_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
-                    SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr):
+    def _entry_ptrs(slot, in_swa, swa, ex, SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr):
         """Slots (of the SWA cache where ``in_swa``, else the extra cache) -> (entry data
-        pointer, scale-bytes pointer, valid); invalid slots point at slot 0. Gluon copy of the
-        addressing in ``primitives.gather_entries``."""
-        valid = (slot >= 0) & (slot < gl.where(in_swa, swa_capacity, ex_capacity))
+        pointer, scale-bytes pointer, valid); invalid slots point at slot 0. swa / ex: the lists'
+        ``sparse_attn_args.EntryList`` tuples. Gluon copy of the addressing in
+        ``primitives.gather_entries``."""
+        valid = (slot >= 0) & (slot < gl.where(in_swa, swa.capacity, ex.capacity))
         slot = gl.where(valid, slot, 0)
-        base = swa_cache + (slot // SWA_P).to(gl.int64) * swa_page_stride
+        base = swa.cache + (slot // SWA_P).to(gl.int64) * swa.page_stride
         data = base + (slot % SWA_P) * DATA_BYTES
         scales = base + SWA_P * DATA_BYTES + (slot % SWA_P) * SCALE_BYTES
         if HAS_EXTRA:
-            ex_base = ex_cache + (slot // EX_P).to(gl.int64) * ex_page_stride
+            ex_base = ex.cache + (slot // EX_P).to(gl.int64) * ex.page_stride
             data = gl.where(in_swa, data, ex_base + (slot % EX_P) * DATA_BYTES)
             scales = gl.where(in_swa, scales, ex_base + EX_P * DATA_BYTES + (slot % EX_P) * SCALE_BYTES)
         return data, scales, valid
@@ -123,23 +123,19 @@ if gluon is not None:
                                   args=[ptrs], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _prefetch_block(slot, pos, n_swa,
-                        swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
-                        SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, PL: gl.constexpr):
+    def _prefetch_block(slot, pos, n_swa, swa, ex, SWA_P: gl.constexpr, EX_P: gl.constexpr,
+                        HAS_EXTRA: gl.constexpr, PL: gl.constexpr):
         """Pull a block's entries into L2: the 576 data bytes (5 lines, plus the last byte for
         entries that straddle a sixth) and the scale bytes. ``slot`` / ``pos``: [BLOCK] in
         ``SliceLayout(1, PL)``, PL a [BLOCK, 8] layout."""
-        data, scales, valid = _entry_ptrs(slot, pos < n_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache,
-                                          ex_page_stride, ex_capacity, SWA_P, EX_P, HAS_EXTRA)
+        data, scales, valid = _entry_ptrs(slot, pos < n_swa, swa, ex, SWA_P, EX_P, HAS_EXTRA)
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, PL))
         lines = gl.where(c[None, :] < _DATA_LINES, data[:, None] + gl.minimum(c * _L2_LINE, DATA_BYTES - 1)[None, :],
                          scales[:, None])
         _prefetch_l2(lines)
 
     @gluon.jit
-    def _producer(k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
-                  swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-                  ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
+    def _producer(k_ring, valid_ring, ready, empty, row, lo, hi, n_swa, swa, ex,
                   SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, BLOCK: gl.constexpr,
                   STAGES: gl.constexpr, PREFETCH: gl.constexpr):
         """Keys ``[lo, hi)`` of ``row``, BLOCK per ring slot: gather, dequantise, signal.
@@ -152,20 +148,17 @@ if gluon is not None:
         PL: gl.constexpr = gl.BlockedLayout([1, 2], [16, 2], [4, 1], [1, 0])  # [BLOCK, 8] prefetch lines
         cols = gl.arange(0, TILE, layout=gl.SliceLayout(0, KL))
         rope_cols = gl.arange(0, ROPE, layout=gl.SliceLayout(0, RL))
-        swa_idx_row = swa_idx + row * stride_swa_idx
-        ex_idx_row = ex_idx + row * stride_ex_idx
+        swa_idx_row = swa.indices + row * swa.index_stride
+        ex_idx_row = ex.indices + row * ex.index_stride
         block_pos = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, KL))
         pf_pos = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, PL))
         slot = _list_slots(swa_idx_row, ex_idx_row, lo + block_pos, n_swa, hi, HAS_EXTRA)
         if PREFETCH:
             _prefetch_block(_list_slots(swa_idx_row, ex_idx_row, lo + BLOCK + pf_pos, n_swa, hi, HAS_EXTRA),
-                            lo + BLOCK + pf_pos, n_swa, swa_cache, swa_page_stride, swa_capacity, ex_cache,
-                            ex_page_stride, ex_capacity, SWA_P, EX_P, HAS_EXTRA, PL)
+                            lo + BLOCK + pf_pos, n_swa, swa, ex, SWA_P, EX_P, HAS_EXTRA, PL)
         for j in range(gl.cdiv(hi - lo, BLOCK)):
             start = lo + j * BLOCK
-            data, scales, valid = _entry_ptrs(slot, start + block_pos < n_swa, swa_cache, swa_page_stride,
-                                              swa_capacity, ex_cache, ex_page_stride, ex_capacity,
-                                              SWA_P, EX_P, HAS_EXTRA)
+            data, scales, valid = _entry_ptrs(slot, start + block_pos < n_swa, swa, ex, SWA_P, EX_P, HAS_EXTRA)
             words = scales.to(gl.pointer_type(gl.int32))  # scale bytes 0-3, 4-7
             s_lo = gl.load(words, mask=valid, other=0)
             s_hi = gl.load(words + 1, mask=valid, other=0)
@@ -194,9 +187,7 @@ if gluon is not None:
             fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
             mbarrier.arrive(ready.index(buf), count=1)
             if PREFETCH:
-                _prefetch_block(pf_slot, start + 2 * BLOCK + pf_pos, n_swa,
-                                swa_cache, swa_page_stride, swa_capacity, ex_cache, ex_page_stride, ex_capacity,
-                                SWA_P, EX_P, HAS_EXTRA, PL)
+                _prefetch_block(pf_slot, start + 2 * BLOCK + pf_pos, n_swa, swa, ex, SWA_P, EX_P, HAS_EXTRA, PL)
 
     @gluon.jit
     def _consumer(q_smem, k_ring, valid_ring, ready, empty, lo, hi, qk_scale,
@@ -234,17 +225,15 @@ if gluon is not None:
 
     @gluon.jit
     def _sparse_attn_warp_specialized(
-        q, stride_qt, stride_qh,
-        swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx, swa_len, swa_width,
-        ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx, ex_len, ex_width,
-        sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
+        q, stride_qt, stride_qh, swa, ex, sink, out, lse, part_out, part_lse, num_heads, num_splits, softmax_scale,
         SWA_P: gl.constexpr, EX_P: gl.constexpr, HAS_EXTRA: gl.constexpr, SPLIT: gl.constexpr,
         NUM_HEAD_BLOCKS: gl.constexpr, HEADS: gl.constexpr, BLOCK: gl.constexpr, STAGES: gl.constexpr,
         PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr, PREFETCH: gl.constexpr,
     ):
         """Grid ``(T * NUM_HEAD_BLOCKS, S)``, 8 warps (+ the producer's); arguments as
-        ``sparse_attn_args.row_kernel_args``. Outputs as ``sparse_attn_fused._sparse_attn_fused``:
-        out / lse, or with SPLIT the partials of ``sparse_attn_combine.py``."""
+        ``sparse_attn_args.row_kernel_args`` (swa / ex: the lists' ``EntryList`` tuples). Outputs
+        as ``sparse_attn_fused._sparse_attn_fused``: out / lse, or with SPLIT the partials of
+        ``sparse_attn_combine.py``."""
         QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0])  # [HEADS, 512] bf16, 8 warps
         SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         MMA_O: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2],
@@ -253,10 +242,10 @@ if gluon is not None:
         head_block = gl.program_id(0) % NUM_HEAD_BLOCKS
         split = gl.program_id(1)
         # primitives.row_key_counts, in Gluon
-        n_swa = gl.minimum(gl.maximum(gl.load(swa_len + row), 0), swa_width).to(gl.int32)
+        n_swa = gl.minimum(gl.maximum(gl.load(swa.lengths + row), 0), swa.width).to(gl.int32)
         n_all = n_swa
         if HAS_EXTRA:
-            n_all += gl.minimum(gl.maximum(gl.load(ex_len + row), 0), ex_width).to(gl.int32)
+            n_all += gl.minimum(gl.maximum(gl.load(ex.lengths + row), 0), ex.width).to(gl.int32)
         chunk = gl.cdiv(gl.cdiv(n_all, num_splits), BLOCK) * BLOCK
         lo = split * chunk
         hi = gl.minimum(lo + chunk, n_all)
@@ -279,9 +268,7 @@ if gluon is not None:
         acc, m2, l = gl.warp_specialize([
             (_consumer, (q_smem, k_ring, valid_ring, ready, empty, lo, hi, softmax_scale * LOG2E,
                          HEADS, BLOCK, STAGES)),
-            (_producer, (k_ring, valid_ring, ready, empty, row, lo, hi, n_swa,
-                         swa_cache, swa_page_stride, swa_capacity, swa_idx, stride_swa_idx,
-                         ex_cache, ex_page_stride, ex_capacity, ex_idx, stride_ex_idx,
+            (_producer, (k_ring, valid_ring, ready, empty, row, lo, hi, n_swa, swa, ex,
                          SWA_P, EX_P, HAS_EXTRA, BLOCK, STAGES, PREFETCH)),
         ], [PRODUCER_WARPS], [PRODUCER_REGS])
 
