@@ -111,7 +111,8 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
         row = tl.sum(tl.where(this, rows, 0), 0)
         pooled = _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, tl.sum(tl.where(this, ps, 0), 0),
                               tl.sum(tl.where(this, reqs, 0), 0), tl.sum(tl.where(this, starts, 0), 0), cols,
-                              num_rows, num_reqs, stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
+                              num_rows, num_reqs, stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO,
+                              RING, S, SB)
         tl.store(pooled_ptr + row.to(tl.int64) * D + cols, pooled)
 
 

@@ -189,8 +189,8 @@ def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: tor
     splits = minmax.shape[1]
     _logits_kernel[(rows, splits)](
         q_u8, w, index_cache, scales, page_table, visible, workspace, minmax, row0, num_heads, workspace.shape[1],
-        index_cache.shape[0], topk, splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0), index_cache.stride(0),
-        scales.stride(0), workspace.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
+        index_cache.shape[0], topk, splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0),
+        index_cache.stride(0), scales.stride(0), workspace.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
         PAGE=layout.INDEX_PAGE_SIZE, SCALE_OFF=layout.INDEX_PAGE_SIZE * INDEX_HEAD_DIM // 4,
         DOT_F32=INTERPRET, PDL=pdl, num_warps=4, num_stages=6)  # H200: 80% of HBM at 128k-1M (60-66% with 3-4 stages)
 

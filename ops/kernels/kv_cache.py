@@ -141,8 +141,8 @@ def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, p
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
+        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
+        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
         num_warps=4)
 
 
@@ -166,6 +166,6 @@ def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tens
     if k.shape[0] == 0:
         return
     _store_index_k_kernel[(k.shape[0],)](
-        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        DIM=INDEX_HEAD_DIM, FP8_MAX=layout.FP8_MAX, EPS=layout.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
+        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
+        PAGE=page_size, DIM=INDEX_HEAD_DIM, FP8_MAX=layout.FP8_MAX, EPS=layout.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
         num_warps=1)

@@ -158,8 +158,8 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, num_pages, topk,
-                         num_sel, stride_workspace, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
+def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, num_pages,
+                         topk, num_sel, stride_workspace, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
                          PAGE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
