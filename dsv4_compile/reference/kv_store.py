@@ -22,8 +22,9 @@ def _page_offset(slots: torch.Tensor, page_size: int, num_pages: int
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(valid, page, offset)`` of ``slots`` in a cache of ``num_pages`` pages; slots outside
     ``[0, num_pages * P)`` are invalid and map to page 0, offset P - 1."""
-    valid = (slots >= 0) & (slots < num_pages * page_size)
-    s = torch.where(valid, slots.long(), page_size - 1)
+    s = slots.long()  # a capacity past int32 must not wrap in the comparison
+    valid = (s >= 0) & (s < num_pages * page_size)
+    s = torch.where(valid, s, page_size - 1)
     return valid, s // page_size, s % page_size
 
 
