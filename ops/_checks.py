@@ -1,5 +1,6 @@
-"""Argument checks at the op boundary: dtype, rank and shape only (never values, so they are safe
-in fake impls and under tracing). Errors name the op and the argument."""
+"""Argument checks at the op boundary: type, dtype, rank, shape and device only (never values, so
+they are safe in fake impls and under tracing). Errors name the op and the argument. Index values
+are not checked here: every op skips or masks out-of-range indices itself (docs/semantics.md §6)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,24 @@ def check_tensor(op: str, name: str, t: torch.Tensor, *, dtypes: Sequence[torch.
             if want is not None and got != want:
                 raise ValueError(f"dsv4.{op}: {name} has shape {tuple(t.shape)}, "
                                  f"expected {want} at dim {axis}")
+
+
+def check_devices(op: str, **tensors) -> None:
+    """Every tensor among ``tensors`` is on the device of the first one (the cache, or the op's
+    first tensor): a tensor elsewhere (another GPU, ``meta``) would be silently misread. Arguments
+    that are not tensors are left to :func:`check_tensor`."""
+    given = [(name, t) for name, t in tensors.items() if isinstance(t, torch.Tensor)]
+    if not given:
+        return
+    first, device = given[0][0], given[0][1].device
+    for name, t in given[1:]:
+        if t.device != device:
+            raise ValueError(f"dsv4.{op}: {name} is on {t.device}, expected {device} (the device of {first})")
+
+
+def check_positive(op: str, name: str, value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"dsv4.{op}: {name}={value} must be positive")
 
 
 def check_multiple_of(op: str, name: str, value: int, m: int) -> None:

@@ -2,6 +2,11 @@
 compressor state ring (docs/semantics.md §4.2). The caller stores the result with ``store_kv``
 (attention compressor) or ``store_index_k`` (indexer compressor) at the c4 / c128 out slots.
 
+Out of range (docs/semantics.md §6): a row whose request row is outside ``[0, R)``
+(``R = state rows / ring``) or whose position is negative reads no ring row (those slots weigh 0,
+as slots before position 0 do) and writes none; masked slots never reach the output, whatever
+their ring rows hold (NaN included).
+
 Shape legend: T = rows, d = entry dim (512 or 128), Wc = coff * d (coff 2 for ratio 4, else 1),
 R = request rows, ring = state rows per request.
 """
@@ -11,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import compressor as ref
-from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -23,6 +28,8 @@ _F32 = (torch.float32,)
 def _check_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
            inv_freq, ratio, ring, rotate, eps) -> None:
     op = "compress_kv"
+    check_devices(op, state=state, kv=kv, score=score, ape=ape, req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
+                  extend_start=extend_start, extend_end=extend_end, norm_weight=norm_weight, inv_freq=inv_freq)
     if ratio not in (4, 128):
         raise ValueError(f"dsv4.{op}: ratio={ratio} must be 4 or 128")
     d = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
@@ -55,6 +62,7 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
                 extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
                 ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """One potential compressed entry per row, ``[T, d] bf16`` (meaningful where the row
-    completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``."""
+    completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``
+    (no ring row for request rows outside ``[0, R)``)."""
     return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
                            norm_weight, inv_freq, ratio, ring, rotate, eps)

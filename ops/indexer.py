@@ -12,7 +12,7 @@ import torch
 from .. import layout
 from ..config import INDEX_HEAD_DIM
 from ..reference import indexer as ref
-from ._checks import INDEX_DTYPES, check_same_rows, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -23,6 +23,7 @@ _FP8 = torch.float8_e4m3fn
 
 def _check_prepare(q, weights, positions, inv_freq, weight_scale) -> None:
     op = "indexer_prepare_q"
+    check_devices(op, q=q, weights=weights, positions=positions, inv_freq=inv_freq)
     check_tensor(op, "q", q, dtypes=(torch.bfloat16, torch.float32), ndim=3,
                  shape=(None, None, INDEX_HEAD_DIM))
     check_tensor(op, "weights", weights, dtypes=(torch.bfloat16, torch.float32), ndim=2,
@@ -47,6 +48,7 @@ def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.T
 
 def _check_topk(q_fp8, w, index_cache, page_table, visible, topk) -> None:
     op = "indexer_topk"
+    check_devices(op, index_cache=index_cache, q_fp8=q_fp8, w=w, page_table=page_table, visible=visible)
     check_tensor(op, "q_fp8", q_fp8, dtypes=(_FP8,), ndim=3, shape=(None, None, INDEX_HEAD_DIM))
     check_tensor(op, "w", w, dtypes=(torch.float32,), ndim=2, shape=(None, q_fp8.shape[1]))
     check_tensor(op, "index_cache", index_cache, dtypes=(torch.uint8,), ndim=2,
@@ -67,5 +69,6 @@ def _topk_fake(q_fp8, w, index_cache, page_table, visible, topk):
 def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
                  page_table: torch.Tensor, visible: torch.Tensor, topk: int) -> torch.Tensor:
     """``[T, topk] int32`` c4 slots of the selected entries (all visible ones when
-    ``visible <= topk``), -1 padded."""
+    ``visible <= topk``), -1 padded. ``visible`` is clamped to ``[0, NP * 64]``; an entry on a page
+    outside ``index_cache`` scores as a zero key and comes out as -1 (docs/semantics.md §6)."""
     return ref.indexer_topk(q_fp8, w, index_cache, page_table, visible, topk)

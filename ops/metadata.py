@@ -8,6 +8,11 @@ formulas: the reference functions): the return annotations (hence the schemas), 
 kernels' buffers all come from there. This module has no ``from __future__ import annotations``:
 a schema is inferred from the annotation objects, which are computed from that table.
 
+Out-of-range values read as "no entry" (docs/semantics.md §6): a request row outside
+``[0, R)`` has no pages (0) and no window (-1) and writes no SWA key; a position past ``L_max`` or
+a full slot outside ``full_to_swa`` has no SWA slot (-1); a negative out slot gives -1 in
+``swa_out_loc``, ``c4_out_loc`` and ``c128_out_loc``.
+
 Shape legend: B = requests, T = query rows, R = request rows, L_max = tokens per request,
 NP = L_max // 256, W = 128 (SWA window).
 """
@@ -17,7 +22,7 @@ import torch
 from ..config import PAGE_SIZE
 from ..metadata_chain import MetadataField, empty_outputs, fields_of
 from ..reference import metadata as ref
-from ._checks import INDEX_DTYPES, check_multiple_of, check_same_rows, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_multiple_of, check_positive, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -50,11 +55,6 @@ def _check_req_to_token(op: str, req_to_token: torch.Tensor) -> None:
     check_multiple_of(op, "req_to_token.shape[1]", req_to_token.shape[1], PAGE_SIZE)
 
 
-def _check_topk(op: str, topk: int) -> None:
-    if topk <= 0:
-        raise ValueError(f"dsv4.{op}: topk={topk} must be positive")
-
-
 def _check_step_tensors(op: str, req_rows, seq_lens, extend_lens, out_cache_loc) -> None:
     _check_rows(op, req_rows=req_rows, seq_lens=seq_lens, extend_lens=extend_lens)
     check_tensor(op, "out_cache_loc", out_cache_loc, dtypes=INDEX_DTYPES, ndim=1)
@@ -62,6 +62,8 @@ def _check_step_tensors(op: str, req_rows, seq_lens, extend_lens, out_cache_loc)
 
 # -- expand_queries ----------------------------------------------------------------------------
 def _check_expand(req_rows, seq_lens, extend_lens, out_cache_loc) -> None:
+    check_devices("expand_queries", req_rows=req_rows, seq_lens=seq_lens, extend_lens=extend_lens,
+                  out_cache_loc=out_cache_loc)
     _check_step_tensors("expand_queries", req_rows, seq_lens, extend_lens, out_cache_loc)
 
 
@@ -80,6 +82,7 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
 
 # -- build_page_table --------------------------------------------------------------------------
 def _check_page_table(req_to_page, req_of_row, seq_lens_causal) -> None:
+    check_devices("build_page_table", req_to_page=req_to_page, req_of_row=req_of_row, seq_lens_causal=seq_lens_causal)
     check_tensor("build_page_table", "req_to_page", req_to_page, dtypes=INDEX_DTYPES, ndim=2)
     _check_rows("build_page_table", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal)
 
@@ -99,6 +102,8 @@ def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
 
 # -- build_swa_metadata ------------------------------------------------------------------------
 def _check_swa(req_to_token, full_to_swa, req_of_row, seq_lens_causal, out_cache_loc) -> None:
+    check_devices("build_swa_metadata", req_to_token=req_to_token, full_to_swa=full_to_swa, req_of_row=req_of_row,
+                  seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
     _check_req_to_token("build_swa_metadata", req_to_token)
     check_tensor("build_swa_metadata", "full_to_swa", full_to_swa, dtypes=INDEX_DTYPES, ndim=1)
     _check_rows("build_swa_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
@@ -120,8 +125,9 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
 
 # -- build_c4_metadata -------------------------------------------------------------------------
 def _check_c4(seq_lens_causal, out_cache_loc, topk) -> None:
+    check_devices("build_c4_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
     _check_rows("build_c4_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
-    _check_topk("build_c4_metadata", topk)
+    check_positive("build_c4_metadata", "topk", topk)
 
 
 def _c4_fake(seq_lens_causal, out_cache_loc, topk):
@@ -138,6 +144,8 @@ def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor
 
 # -- build_c128_metadata -----------------------------------------------------------------------
 def _check_c128(page_table, seq_lens_causal, out_cache_loc) -> None:
+    check_devices("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal,
+                  out_cache_loc=out_cache_loc)
     check_tensor("build_c128_metadata", "page_table", page_table, dtypes=INDEX_DTYPES, ndim=2)
     _check_rows("build_c128_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
     check_same_rows("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal)
@@ -158,12 +166,15 @@ def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
 # -- step_metadata: every op above in one launch --------------------------------------------------
 def _check_step(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa,
                 topk) -> None:
+    check_devices("step_metadata", req_rows=req_rows, seq_lens=seq_lens, extend_lens=extend_lens,
+                  out_cache_loc=out_cache_loc, req_to_token=req_to_token, req_to_page=req_to_page,
+                  full_to_swa=full_to_swa)
     _check_step_tensors("step_metadata", req_rows, seq_lens, extend_lens, out_cache_loc)
     _check_req_to_token("step_metadata", req_to_token)
     check_tensor("step_metadata", "req_to_page", req_to_page, dtypes=INDEX_DTYPES, ndim=2,
                  shape=(req_to_token.shape[0], req_to_token.shape[1] // PAGE_SIZE))
     check_tensor("step_metadata", "full_to_swa", full_to_swa, dtypes=INDEX_DTYPES, ndim=1)
-    _check_topk("step_metadata", topk)
+    check_positive("step_metadata", "topk", topk)
 
 
 def _step_fake(req_rows, seq_lens, extend_lens, out_cache_loc, req_to_token, req_to_page, full_to_swa, topk):

@@ -17,15 +17,19 @@ State (``[R * ring, 2 Wc]`` fp32, rows ``[kv | score + ape]``): the request's ri
 ``ring`` raw tokens, row ``req * ring + p % ring``. Tokens processed in this step are read from the
 step's own projections (rows of a request are consecutive, so position ``t`` of row ``q``'s request
 is row ``q - (p - t)``); earlier tokens from the ring. After all reads, each row whose position is
-among its request's last ``ring`` positions is written to the ring (others go to the dummy row 0).
-Rows that complete no window still produce a (finite, meaningless) entry; their out slot is -1.
+among its request's last ``ring`` positions is written to the ring. Rows that complete no window
+still produce a (meaningless) entry; their out slot is -1.
+
+Out of range (docs/semantics.md §6): ``R = state rows / ring``. A request row outside ``[0, R)``
+reads no ring row (those slots weigh 0, like positions before 0) and writes none; so does a row
+at a negative position. Masked slots are selected away, never multiplied by a zero weight.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .functional import hadamard, rms_norm, rope_tail
+from .functional import gather_or, hadamard, rms_norm, rope_tail
 
 _ROW_CHUNK_ELEMS = 1 << 22  # bound the [rows, S, Wc] gather of one chunk (fp32 elements)
 
@@ -67,28 +71,36 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
 
 def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo: int, hi: int,
                ratio: int, ring: int, d: int) -> torch.Tensor:
-    """Pooled fp32 entry ``[hi - lo, d]`` for rows ``lo:hi``."""
+    """Pooled fp32 entry ``[hi - lo, d]`` for rows ``lo:hi``.
+
+    A slot reads nothing (weight 0, value 0: selected, never multiplied, so NaN in an unread ring
+    row cannot leak) when its position is negative, its in-step row is outside ``[0, T)``, or its
+    ring row is outside ``state`` (a request row outside ``[0, R)``, docs/semantics.md §6)."""
     wc = kv.shape[1]
     slots = window_slots(ratio)
     p = pos[lo:hi].unsqueeze(1)  # [C, 1]
     t = p - (slots - 1) + torch.arange(slots, device=kv.device)  # [C, S] token positions
     in_step = t >= extend_start[lo:hi].long().unsqueeze(1)
-    batch_row = (torch.arange(lo, hi, device=kv.device).unsqueeze(1) - (p - t)).clamp(0, kv.shape[0] - 1)
-    ring_row = req_of_row[lo:hi].long().unsqueeze(1) * ring + t.clamp_min(0) % ring
+    batch_row = torch.where(in_step & (t >= 0), torch.arange(lo, hi, device=kv.device).unsqueeze(1) - (p - t), -1)
+    ring_row = torch.where(~in_step & (t >= 0), req_of_row[lo:hi].long().unsqueeze(1) * ring + t % ring, -1)
     sel = in_step.unsqueeze(-1)
-    a = torch.where(sel, kv[batch_row], state[ring_row, :wc])  # [C, S, Wc]
-    s = torch.where(sel, score_ape[batch_row], state[ring_row, wc:])
+    a = torch.where(sel, gather_or(kv, (batch_row,), 0.0), gather_or(state[:, :wc], (ring_row,), 0.0))  # [C, S, Wc]
+    s = torch.where(sel, gather_or(score_ape, (batch_row,), float("-inf")),
+                    gather_or(state[:, wc:], (ring_row,), float("-inf")))
     if ratio == 4:  # slots 0..3 take the overlap half, 4..7 the own half
         half = (torch.arange(slots, device=kv.device) >= 4).long().view(1, slots, 1)
         cols = torch.arange(d, device=kv.device).view(1, 1, d) + half * d
         a = torch.gather(a, 2, cols.expand(a.shape[0], slots, d))
         s = torch.gather(s, 2, cols.expand(s.shape[0], slots, d))
-    s = s.masked_fill((t < 0).unsqueeze(-1), float("-inf"))
     return (torch.softmax(s, dim=1) * a).sum(dim=1)
 
 
 def _write_ring(state, kv, score_ape, req_of_row, pos, extend_end, ring: int) -> None:
-    """Persist the rows among each request's last ``ring`` positions (others are no-ops)."""
-    keep = pos >= extend_end.long() - ring
-    rows = torch.where(keep, req_of_row.long() * ring + pos % ring, ring - 1)
+    """Persist the rows among each request's last ``ring`` positions; other rows, rows at negative
+    positions and rows of request rows outside ``[0, R)`` are no-ops."""
+    if state.shape[0] == 0:
+        return
+    req = req_of_row.long()
+    keep = (pos >= extend_end.long() - ring) & (pos >= 0) & (req >= 0) & (req < state.shape[0] // ring)
+    rows = torch.where(keep, req * ring + pos % ring, ring - 1)
     state[rows] = torch.where(keep.unsqueeze(1), torch.cat([kv, score_ape], dim=1), state[ring - 1])

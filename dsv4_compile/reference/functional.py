@@ -1,4 +1,5 @@
-"""Small math shared by the references, the layer and the oracle: RMSNorm, RoPE, Walsh-Hadamard.
+"""Small math shared by the references, the layer and the oracle: RMSNorm, RoPE, Walsh-Hadamard,
+and the bounded gather every reference reads index maps, rings and caches through.
 
 All compute in fp32 and return the input dtype unless stated.
 """
@@ -7,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 
 import torch
 
@@ -62,3 +64,19 @@ def hadamard(x: torch.Tensor) -> torch.Tensor:
     if n & (n - 1):
         raise ValueError(f"hadamard needs a power-of-two last dim, got {n}")
     return (x.float() @ hadamard_matrix(n, x.device)) * (1.0 / math.sqrt(n))
+
+
+def gather_or(table: torch.Tensor, index: tuple[torch.Tensor, ...], fill: float) -> torch.Tensor:
+    """``table[index]`` where every index lies inside its dimension of ``table``, ``fill`` where
+    one does not (docs/semantics.md §6): no ``IndexError``, no wrap-around of negative values.
+
+    index: one integer tensor per leading dim of ``table``, broadcastable together. Returns
+    ``broadcast shape + table.shape[len(index):]`` in ``table``'s dtype.
+    """
+    dims = table.shape[:len(index)]
+    ok = functools.reduce(operator.and_, [(i >= 0) & (i < n) for i, n in zip(index, dims)])
+    trailing = table.shape[len(index):]
+    if any(n == 0 for n in dims):  # nothing to read
+        return torch.full((*ok.shape, *trailing), fill, dtype=table.dtype, device=table.device)
+    got = table[tuple(torch.where(ok, i.long(), 0) for i in index)]
+    return torch.where(ok.view(*ok.shape, *(1 for _ in trailing)), got, fill)

@@ -9,6 +9,9 @@ For query row ``q`` at position ``p`` with ``n = (p + 1) // 4`` visible compress
     selected = all j < n if n <= topk else the topk largest l_j (order unspecified)
     index    = page_table[q, j // 64] * 64 + j % 64            (c4 slot), -1 for unused columns
 
+Out of range (docs/semantics.md §6): ``n`` is clamped to ``[0, NP * 64]``; an entry on a page
+outside the index cache reads as a zero key (``l_j = 0``) and is emitted as -1 when selected.
+
 The choice between "all visible" and "top-k" is made per row on device (never at trace time).
 
 Shape legend: T = rows, H = indexer heads, NP = pages per request, K = topk.
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import INDEX_PAGE_SIZE
-from .functional import hadamard, rope_tail
+from .functional import gather_or, hadamard, rope_tail
 from .kv_store import gather_index_k
 from .quant import quantize_q_per_head
 
@@ -41,7 +44,8 @@ def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.T
 
 def indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor,
                    page_table: torch.Tensor) -> torch.Tensor:
-    """``[T, NP * 64]`` fp32 logits of every entry the page table can address (unmasked)."""
+    """``[T, NP * 64]`` fp32 logits of every entry the page table can address (unmasked; 0 on
+    pages outside ``index_cache``)."""
     num_rows, num_pages = page_table.shape
     j = torch.arange(num_pages * INDEX_PAGE_SIZE, device=page_table.device)
     slots = page_table.long()[:, j // INDEX_PAGE_SIZE] * INDEX_PAGE_SIZE + j % INDEX_PAGE_SIZE  # [T, N]
@@ -59,11 +63,12 @@ def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor
     """Top-k c4 slots per row: ``[T, topk] int32``, -1 padded.
 
     q_fp8: [T, H, 128] float8_e4m3fn; w: [T, H] fp32; index_cache: [N_pages, 8448] uint8;
-    page_table: [T, NP] int32; visible: [T] int32 entries each row may see.
+    page_table: [T, NP] int32; visible: [T] int32 entries each row may see (clamped to
+    ``[0, NP * 64]``). Entries on pages outside ``index_cache`` are -1.
     """
     num_rows, num_pages = page_table.shape
     capacity = num_pages * INDEX_PAGE_SIZE
-    n = visible.long().unsqueeze(1)  # [T, 1]
+    n = visible.long().clamp(0, capacity).unsqueeze(1)  # [T, 1]
     col = torch.arange(topk, device=visible.device)
     j_all = torch.where(col < n, col, -1).expand(num_rows, topk)  # rows with n <= topk
     if capacity > topk:
@@ -75,5 +80,7 @@ def indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tensor
     else:
         j = j_all
     jc = j.clamp_min(0)
-    slot = torch.gather(page_table.long(), 1, jc // INDEX_PAGE_SIZE) * INDEX_PAGE_SIZE + jc % INDEX_PAGE_SIZE
-    return torch.where(j >= 0, slot, -1).to(torch.int32)
+    rows = torch.arange(num_rows, device=page_table.device).unsqueeze(1)
+    page = gather_or(page_table, (rows, jc // INDEX_PAGE_SIZE), -1).long()
+    in_cache = (j >= 0) & (page >= 0) & (page < index_cache.shape[0])
+    return torch.where(in_cache, page * INDEX_PAGE_SIZE + jc % INDEX_PAGE_SIZE, -1).to(torch.int32)

@@ -1,9 +1,10 @@
 """Paged cache writes and reads by slot (docs/semantics.md §2.2, §2.3, §4.1) — reference.
 
 Caches are 2-D ``uint8 [N_pages, page_bytes]`` tensors addressed as ``slot -> (slot // P, slot % P)``
-through the page views of :mod:`.quant`. Writes skip rows whose slot is negative; reads return
-zeros for them. Neither synchronises with the host nor has data-dependent shapes: a skipped row
-is redirected to the last slot of the reserved dummy page 0 (which no valid row writes; padding
+through the page views of :mod:`.quant`. A slot is valid when ``0 <= slot < N_pages * P`` (the
+pages of the tensor given, docs/semantics.md §6): writes skip rows with any other slot, reads
+return zeros for them. Neither synchronises with the host nor has data-dependent shapes: a skipped
+row is redirected to the last slot of the reserved dummy page 0 (which no valid row writes; padding
 rows use slot 0) and writes back what is already there, so the result is deterministic.
 """
 
@@ -17,10 +18,13 @@ from .quant import (dequantize_index_k, dequantize_model1, index_page_views, mod
                     quantize_index_k, quantize_model1)
 
 
-def _page_offset(slots: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(valid, page, offset)`` of ``slots``; invalid slots map to page 0, offset P - 1."""
-    valid = slots >= 0
-    s = torch.where(valid, slots.long(), page_size - 1)
+def _page_offset(slots: torch.Tensor, page_size: int, num_pages: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(valid, page, offset)`` of ``slots`` in a cache of ``num_pages`` pages; slots outside
+    ``[0, num_pages * P)`` are invalid and map to page 0, offset P - 1."""
+    s = slots.long()  # a capacity past int32 must not wrap in the comparison
+    valid = (s >= 0) & (s < num_pages * page_size)
+    s = torch.where(valid, s, page_size - 1)
     return valid, s // page_size, s % page_size
 
 
@@ -36,21 +40,28 @@ def _scatter(view: torch.Tensor, page: torch.Tensor, off: torch.Tensor, values: 
 def _store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, views: Callable,
            quantize: Callable) -> None:
     """Write ``quantize(k)``'s fields through the page ``views`` of ``cache``, row n at ``slots[n]``."""
-    valid, page, off = _page_offset(slots, page_size)
+    if cache.shape[0] == 0:  # no valid slot
+        return
+    valid, page, off = _page_offset(slots, page_size, cache.shape[0])
     for view, values in zip(views(cache, page_size), quantize(k)):
         _scatter(view, page, off, values, valid)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int, views: Callable,
             dequantize: Callable) -> torch.Tensor:
-    """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for slot < 0)."""
-    valid, page, off = _page_offset(slots.reshape(-1), page_size)
+    """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for invalid slots)."""
+    flat = slots.reshape(-1)
+    if cache.shape[0] == 0:  # no valid slot: read the zeros of an empty page
+        cache = cache.new_zeros(1, cache.shape[1])
+        flat = flat.new_full(flat.shape, -1)
+    valid, page, off = _page_offset(flat, page_size, cache.shape[0])
     k = dequantize(*(view[page, off] for view in views(cache, page_size)))
     return torch.where(valid.unsqueeze(1), k, 0.0).reshape(*slots.shape, k.shape[-1])
 
 
 def store_model1(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
-    """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (negative: skipped).
+    """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (int32/int64 [N];
+    outside ``[0, N_pages * P)``: skipped).
 
     cache: [N_pages, page_bytes] uint8, mutated in place.
     """
@@ -58,15 +69,18 @@ def store_model1(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page
 
 
 def gather_model1(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Dequantised keys at ``slots [...]`` of a MODEL1 cache: ``[..., 512] fp32`` (0 for slot < 0)."""
+    """Dequantised keys at ``slots [...]`` of a MODEL1 cache: ``[..., 512] fp32`` (0 for slots
+    outside ``[0, N_pages * P)``)."""
     return _gather(cache, slots, page_size, model1_page_views, dequantize_model1)
 
 
 def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
-    """Quantise indexer keys ``k [N, 128]`` (fp8 + fp32 scale) and write row n at ``slots[n]``."""
+    """Quantise indexer keys ``k [N, 128]`` (fp8 + fp32 scale) and write row n at ``slots[n]``
+    (outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, P * 132] uint8``."""
     _store(cache, slots, k, page_size, index_page_views, quantize_index_k)
 
 
 def gather_index_k(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Dequantised indexer keys at ``slots [...]``: ``[..., 128] fp32`` (0 for slot < 0)."""
+    """Dequantised indexer keys at ``slots [...]``: ``[..., 128] fp32`` (0 for slots outside
+    ``[0, N_pages * P)``)."""
     return _gather(cache, slots, page_size, index_page_views, dequantize_index_k)

@@ -11,6 +11,11 @@ NP = L_max // 256 pages per request, W = SWA window (128).
 
 Padding rows (query rows past ``sum(extend_lens)``) belong to the reserved dummy request row 0 at
 position 0: ``seq_len 1``, and every slot they read or write is the dummy slot 0.
+
+Out-of-range values (docs/semantics.md §6) read as "no entry" through :func:`gather_or`: a request
+row outside the index maps has no pages and no window and writes no SWA key, a position past
+``L_max`` or a full slot outside ``full_to_swa`` has no SWA slot (-1), and a negative out slot
+gives -1 in all three out-slot fields.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import torch
 
 from ..config import PAGE_SIZE, SWA_WINDOW
 from ..metadata_chain import FIELD_NAMES, c128_columns, run_chain
+from .functional import gather_or
 
 _I32 = torch.int32
 
@@ -62,12 +68,14 @@ def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
 def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                      seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``page_table[q, i] = req_to_page[req_q, i]`` (= ``req_to_token[req_q, 256 i] // 256``) for
-    the pages holding positions ``< seq_lens_causal[q]``, 0 past them: [T, NP] int32
-    (docs/semantics.md §3.3).
+    the pages holding positions ``< seq_lens_causal[q]``, 0 past them and for request rows outside
+    ``[0, R)``: [T, NP] int32 (docs/semantics.md §3.3, §6).
     Every reader (c4 indexer, c128 indices) stays inside that prefix; a row of the compact page
     map is contiguous, so the table is a masked row copy."""
-    live = torch.arange(req_to_page.shape[1], device=req_of_row.device) * PAGE_SIZE < seq_lens_causal.long().unsqueeze(1)
-    return torch.where(live, req_to_page[req_of_row.long()], 0).to(_I32)
+    i = torch.arange(req_to_page.shape[1], device=req_of_row.device)
+    live = i * PAGE_SIZE < seq_lens_causal.long().unsqueeze(1)
+    pages = gather_or(req_to_page, (req_of_row.long().unsqueeze(1), i), 0)
+    return torch.where(live, pages, 0).to(_I32)
 
 
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
@@ -76,42 +84,53 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
     """Sliding-window attention inputs (docs/semantics.md §3.3, §3.4, §3.7).
 
     Returns ``swa_indices [T, 128] int32`` (newest first: k-th entry is the SWA slot of position
-    ``pos - k``, -1 where ``pos - k < 0``), ``swa_lengths [T] int32 = min(pos + 1, 128)`` and
-    ``swa_out_loc [T] int32`` = SWA slot this row's token is written to.
+    ``pos - k``, -1 where ``pos - k`` is outside ``[0, L_max)``, the request row outside ``[0, R)``
+    or the full slot outside ``full_to_swa``), ``swa_lengths [T] int32 = min(pos + 1, 128)`` and
+    ``swa_out_loc [T] int32`` = SWA slot this row's token is written to (-1 for an out slot
+    outside ``full_to_swa`` or a request row outside ``[0, R)``: the store skips it).
     """
+    req = req_of_row.long()
     pos = seq_lens_causal.long() - 1  # [T]
     p = pos.unsqueeze(1) - torch.arange(SWA_WINDOW, device=pos.device)  # [T, W]
-    full = req_to_token[req_of_row.long().unsqueeze(1), p.clamp_min(0)]  # [T, W]
-    swa = full_to_swa[full.long()]
-    indices = torch.where(p >= 0, swa, -1).to(_I32)
+    full = gather_or(req_to_token, (req.unsqueeze(1), p), -1)  # [T, W]
+    indices = gather_or(full_to_swa, (full,), -1).to(_I32)
     lengths = seq_lens_causal.clamp_max(SWA_WINDOW).to(_I32)
-    return indices, lengths, full_to_swa[out_cache_loc.long()].to(_I32)
+    known = (req >= 0) & (req < req_to_token.shape[0])
+    out_loc = torch.where(known, gather_or(full_to_swa, (out_cache_loc,), -1), -1)
+    return indices, lengths, out_loc.to(_I32)
+
+
+def _compressed_out_loc(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, ratio: int) -> torch.Tensor:
+    """``out_cache_loc // ratio`` for a row completing a window (a positive multiple of ``ratio``
+    tokens) with a non-negative out slot, else -1: int32 [T]."""
+    seq, loc = seq_lens_causal.long(), out_cache_loc.long()
+    return torch.where((seq > 0) & (seq % ratio == 0) & (loc >= 0), loc // ratio, -1).to(_I32)
 
 
 def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ratio-4 fields (docs/semantics.md §3.5, §3.6).
 
-    Returns int32 [T]: ``c4_out_loc`` (``full_slot // 4`` for a row completing a window, else -1:
-    skipped by the store), ``c4_visible = (pos + 1) // 4`` (compressed entries the row may see)
-    and ``c4_topk_lengths = min(max(c4_visible, 1), topk)`` (attention's extra length).
+    Returns int32 [T]: ``c4_out_loc`` (``full_slot // 4`` for a row completing a window, else -1,
+    and -1 for a negative out slot: skipped by the store), ``c4_visible = (pos + 1) // 4``
+    (compressed entries the row may see) and ``c4_topk_lengths = min(max(c4_visible, 1), topk)``
+    (attention's extra length).
     """
-    seq = seq_lens_causal.long()
-    out_loc = torch.where(seq % 4 == 0, out_cache_loc.long() // 4, -1).to(_I32)
-    visible = (seq // 4).to(_I32)
-    return out_loc, visible, visible.clamp(1, topk).to(_I32)
+    visible = (seq_lens_causal.long() // 4).to(_I32)
+    return _compressed_out_loc(seq_lens_causal, out_cache_loc, 4), visible, visible.clamp(1, topk).to(_I32)
 
 
 def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
                         out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ratio-128 fields (docs/semantics.md §3.5).
 
-    Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1),
-    ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2``
-    for ``j < (pos + 1) // 128``, else -1) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
+    Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1, and -1
+    for a negative out slot), ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot
+    ``page_table[q, j // 2] * 2 + j % 2`` for ``j < (pos + 1) // 128``, else -1) and
+    ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
     """
     seq = seq_lens_causal.long()
-    out_loc = torch.where(seq % 128 == 0, out_cache_loc.long() // 128, -1).to(_I32)
+    out_loc = _compressed_out_loc(seq_lens_causal, out_cache_loc, 128)
     n_entries = 2 * page_table.shape[1]
     j = torch.arange(c128_columns(page_table.shape[1]), device=seq.device)  # [K]
     page = page_table.long()[:, (j // 2).clamp_max(page_table.shape[1] - 1)]  # [T, K]

@@ -17,6 +17,10 @@ Two launches, because a long prefill writes ring rows that other rows of the sam
   request's last ``ring`` positions also write ``[kv | score + ape]`` to ring row
   ``req * ring + p % ring`` (loaded first, so those loads overlap the entry's).
 
+Out of range (docs/semantics.md §6): with ``R = state rows / ring``, a row of a request row outside
+``[0, R)`` reads no ring row (such slots weigh 0, as positions before 0 do) and writes none, nor
+does a row at a negative position; an in-step slot whose row falls outside ``[0, T)`` weighs 0.
+
 Decode-sized launches use programmatic dependent launch (``launch_compress_kv``'s ``pdl``), so
 the entry kernel's programs start and load their inputs while the pool drains.
 
@@ -45,26 +49,28 @@ _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills 
 
 
 @triton.jit
-def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_start, cols,
+def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_start, cols, num_rows, num_reqs,
                  stride_kv, stride_score, stride_ape, stride_state, D: tl.constexpr, WC: tl.constexpr,
                  RATIO: tl.constexpr, RING: tl.constexpr, S: tl.constexpr, SB: tl.constexpr):
     """fp32 ``softmax_slot(score) . kv`` of the window ending on ``row`` (position ``p`` of
-    request ``req``, whose step starts at position ``extend_start``), channels ``cols [n] int32``."""
+    request ``req``, whose step starts at position ``extend_start``), channels ``cols [n] int32``.
+    A slot reads nothing (weight 0) at a negative position, from a step row outside
+    ``[0, num_rows)`` or from the ring of a request row outside ``[0, num_reqs)``."""
     m = tl.full(cols.shape, float("-inf"), tl.float32)
     den = tl.zeros(cols.shape, dtype=tl.float32)
     acc = tl.zeros(cols.shape, dtype=tl.float32)
     for i in tl.static_range(S // SB):  # unrolled; later blocks' loads only partly overlap earlier reductions
         s = (S // SB - 1 - i) * SB + tl.arange(0, SB)  # newest block first
         t = p - (S - 1) + s  # [SB] token positions
-        live = t >= 0
-        in_step = live & (t >= extend_start)
+        in_step = t >= extend_start
         tt = tl.maximum(t, 0)
         if RATIO == 4:  # slots 0..3: overlap half [0, d); slots 4..7: own half [d, 2d)
             c = cols[None, :] + (D * (s >= S // 2).to(tl.int32))[:, None]
         else:
             c = cols[None, :]
         brow = (row - (p - tt)).to(tl.int64)  # in-step rows of a request are consecutive
-        rrow = (req * RING + tt % RING).to(tl.int64)
+        rrow = req.to(tl.int64) * RING + tt % RING
+        live = (t >= 0) & tl.where(in_step, (brow >= 0) & (brow < num_rows), (req >= 0) & (req < num_reqs))
         step_m = in_step[:, None]
         # one load per element for kv and for score: this step's row or the ring row
         a = tl.load(tl.where(step_m, kv_ptr + brow[:, None] * stride_kv,
@@ -82,7 +88,7 @@ def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_star
 
 @triton.jit
 def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_ptr, pooled_ptr, num_rows,
-                 stride_kv, stride_score, stride_ape, stride_state,
+                 num_reqs, stride_kv, stride_score, stride_ape, stride_state,
                  D: tl.constexpr, WC: tl.constexpr, RATIO: tl.constexpr, RING: tl.constexpr,
                  S: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
     """Pooled fp32 channels ``[CB]`` (block ``program_id(1)``) of the windows ending on rows
@@ -105,22 +111,25 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
         row = tl.sum(tl.where(this, rows, 0), 0)
         pooled = _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, tl.sum(tl.where(this, ps, 0), 0),
                               tl.sum(tl.where(this, reqs, 0), 0), tl.sum(tl.where(this, starts, 0), 0), cols,
-                              stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO, RING, S, SB)
+                              num_rows, num_reqs, stride_kv, stride_score, stride_ape, stride_state, D, WC, RATIO,
+                              RING, S, SB)
         tl.store(pooled_ptr + row.to(tl.int64) * D + cols, pooled)
 
 
 @triton.jit
 def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr, w_ptr,
-                  inv_freq_ptr, pooled_ptr, out_ptr, eps, stride_kv, stride_score, stride_ape,
+                  inv_freq_ptr, pooled_ptr, out_ptr, eps, num_reqs, stride_kv, stride_score, stride_ape,
                   stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
                   RATIO: tl.constexpr, RING: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
                   SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Entry ``out[row] [d] bf16`` from ``pooled[row]``, then the row's ring write."""
+    """Entry ``out[row] [d] bf16`` from ``pooled[row]``, then the row's ring write (none at a
+    negative position or for a request row outside ``[0, num_reqs)``)."""
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
     p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
-    req = tl.load(req_ptr + row).to(tl.int32)
+    req = tl.load(req_ptr + row).to(tl.int64)
     keep = p >= tl.load(end_ptr + row).to(tl.int32) - RING  # among the request's last `ring` positions
+    keep = keep & (p >= 0) & (req >= 0) & (req < num_reqs)
     # the ring row's loads go first (masked, not branched): they are in flight during the entry
     c = tl.arange(0, WC)
     kv = tl.load(kv_ptr + r64 * stride_kv + c, mask=keep)
@@ -162,7 +171,7 @@ def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_p
         zero = tl.zeros([D // 2], dtype=tl.bfloat16)
         tl.store(out_row + 2 * k, zero)
         tl.store(out_row + 2 * k + 1, zero)
-    dst = state_ptr + (req * RING + p % RING).to(tl.int64) * stride_state
+    dst = state_ptr + (req * RING + p % RING) * stride_state
     tl.store(dst + c, kv, mask=keep)
     tl.store(dst + WC + c, sc, mask=keep)
 
@@ -238,12 +247,13 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     strides = (kv.stride(0), score.stride(0), ape.stride(0), state.stride(0))
     pooled = torch.empty(num_rows, d, dtype=torch.float32, device=kv.device)  # read on window rows only
     pool = _pool_config(ratio, d, num_rows)
+    num_reqs = state.shape[0] // ring  # request rows of the ring: others read and write none
     _pool_kernel[(triton.cdiv(num_rows, pool.rows), d // pool.channels)](
-        kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, *strides, D=d,
+        kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, num_reqs, *strides, D=d,
         WC=wc, RATIO=ratio, RING=ring, S=slots, SB=pool.slot_block, CB=pool.channels, G=pool.rows, PDL=pdl,
         num_warps=pool.warps, launch_pdl=pdl)
     _entry_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
-                               norm_weight, inv_freq, pooled, out, eps, *strides, out.stride(0), D=d, WC=wc,
+                               norm_weight, inv_freq, pooled, out, eps, num_reqs, *strides, out.stride(0), D=d, WC=wc,
                                RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
                                SOFT_BF16=INTERPRET, PDL=pdl,
                                num_warps=max(2, d // 128),  # fewest instructions

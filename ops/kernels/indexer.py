@@ -116,7 +116,7 @@ def launch_indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: 
 
 @triton.jit
 def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, workspace_ptr, mm_ptr,
-                   row0, H, capacity, topk, num_splits, stride_qt, stride_qh, stride_wt, stride_pt,
+                   row0, H, capacity, num_pages, topk, num_splits, stride_qt, stride_qh, stride_wt, stride_pt,
                    stride_page, stride_scale_page, stride_workspace,
                    BH: tl.constexpr, PAGE: tl.constexpr, SCALE_OFF: tl.constexpr,
                    DOT_F32: tl.constexpr, PDL: tl.constexpr):
@@ -141,9 +141,10 @@ def _logits_kernel(q_ptr, w_ptr, cache_ptr, scale_ptr, pt_ptr, vis_ptr, workspac
         e = tl.arange(0, PAGE)
         for t in range(split, tl.cdiv(n, PAGE), num_splits):  # one page (64 contiguous entries) per tile
             page = tl.load(pt_ptr + row * stride_pt + t).to(tl.int64)
-            keys = tl.load(cache_ptr + page * stride_page + (e * D)[:, None] + d[None, :])
+            in_cache = (page >= 0) & (page < num_pages)  # else zero keys and scales: logits 0
+            keys = tl.load(cache_ptr + page * stride_page + (e * D)[:, None] + d[None, :], mask=in_cache, other=0)
             keys = keys.to(tl.float8e4nv, bitcast=True)  # [64, 128]
-            kappa = tl.load(scale_ptr + page * stride_scale_page + SCALE_OFF + e)  # [64]
+            kappa = tl.load(scale_ptr + page * stride_scale_page + SCALE_OFF + e, mask=in_cache, other=0.0)  # [64]
             if DOT_F32:
                 keys = keys.to(tl.float32)
             dots = tl.dot(keys, tl.trans(q))  # [64, BH] fp32
@@ -188,8 +189,8 @@ def launch_indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: tor
     splits = minmax.shape[1]
     _logits_kernel[(rows, splits)](
         q_u8, w, index_cache, scales, page_table, visible, workspace, minmax, row0, num_heads, workspace.shape[1],
-        topk, splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0), index_cache.stride(0),
-        scales.stride(0), workspace.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
+        index_cache.shape[0], topk, splits, q_u8.stride(0), q_u8.stride(1), w.stride(0), page_table.stride(0),
+        index_cache.stride(0), scales.stride(0), workspace.stride(0), BH=max(16, triton.next_power_of_2(num_heads)),
         PAGE=layout.INDEX_PAGE_SIZE, SCALE_OFF=layout.INDEX_PAGE_SIZE * INDEX_HEAD_DIM // 4,
         DOT_F32=INTERPRET, PDL=pdl, num_warps=4, num_stages=6)  # H200: 80% of HBM at 128k-1M (60-66% with 3-4 stages)
 
@@ -201,7 +202,8 @@ def launch_indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch
     q_fp8: [T, H, 128] float8_e4m3fn; w: [T, H] fp32; index_cache: [N_pages, 8448] uint8
     (contiguous pages); page_table: [T, NP] int32/int64; visible: [T] int32/int64.
     Rows with ``visible <= topk`` select every visible entry in order; the others the ``topk``
-    largest logits (order unspecified). Rows are processed in workspace chunks (a shape-derived
+    largest logits (order unspecified). ``visible`` is clamped to ``[0, capacity]``; entries on
+    pages outside ``index_cache`` score 0 and come out as -1. Rows are processed in workspace chunks (a shape-derived
     host loop). Validated by the op (``ops/indexer.py::_check_topk``).
     """
     num_rows = q_fp8.shape[0]
@@ -211,7 +213,7 @@ def launch_indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch
     if num_rows == 0:
         return out
     if capacity <= topk:  # no row can have more visible entries than topk: nothing to score
-        launch_topk_select(None, None, page_table, visible, out, 0, topk, capacity, num_rows)
+        launch_topk_select(None, None, page_table, visible, out, 0, topk, capacity, index_cache.shape[0], num_rows)
         return out
     workspace, minmax = indexer_workspace(num_rows, capacity, q_fp8.device)
     # small scans: the select's launches overlap the scan's and each other's tails (H200, b = 1
@@ -219,6 +221,6 @@ def launch_indexer_topk(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch
     pdl = num_rows * capacity <= _PDL_MAX_SCORED and has_pdl(q_fp8.device)
     for row0 in range(0, num_rows, workspace.shape[0]):  # each chunk's scan waits for the last select
         launch_indexer_logits(q_fp8, w, index_cache, page_table, visible, topk, workspace, minmax, row0, pdl=pdl)
-        launch_topk_select(workspace, minmax, page_table, visible, out, row0, topk, capacity,
+        launch_topk_select(workspace, minmax, page_table, visible, out, row0, topk, capacity, index_cache.shape[0],
                            min(workspace.shape[0], num_rows - row0), pdl=pdl)
     return out

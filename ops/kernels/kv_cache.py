@@ -7,7 +7,9 @@ Shape legend: N = rows, P = page size (entries per page), Nb = bytes per page.
 
 Exactness: the scale exponent is computed from the float's bits, the scale is an exact power of
 two and every division is IEEE round-to-nearest (``div_rn``), so on the GPU the written bytes equal
-the reference's bytes. A row with a negative slot writes nothing: every store is masked.
+the reference's bytes. A row whose slot is outside ``[0, N_pages * P)`` (the pages of the tensor
+given: negative, or past the end of a slice of a larger buffer) writes nothing and reads zeros:
+every store and load is masked (docs/semantics.md §6).
 """
 
 from __future__ import annotations
@@ -23,35 +25,37 @@ from .primitives import ceil_log2, to_e4m3_bits
 
 
 @triton.jit
-def _slot_page(slots_ptr, row, PAGE: tl.constexpr):
-    """``(valid, page, offset)`` of ``slots[row]``, int64; a negative slot maps to (0, 0)."""
+def _slot_page(slots_ptr, row, capacity, PAGE: tl.constexpr):
+    """``(valid, page, offset)`` of ``slots[row]``, int64; a slot outside ``[0, capacity)`` maps
+    to (0, 0)."""
     slot = tl.load(slots_ptr + row).to(tl.int64)
-    valid = slot >= 0
-    slot = tl.maximum(slot, 0)
+    valid = (slot >= 0) & (slot < capacity)
+    slot = tl.where(valid, slot, 0)
     return valid, slot // PAGE, slot % PAGE
 
 
 @triton.jit
-def _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE: tl.constexpr, DATA_BYTES: tl.constexpr,
-                      SCALE_BYTES: tl.constexpr):
+def _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE: tl.constexpr,
+                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """``(valid, data_ptr, scale_ptr)`` of the MODEL1 token at ``slots[row]`` (layout.py)."""
-    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    valid, page, off = _slot_page(slots_ptr, row, capacity, PAGE)
     page_ptr = cache_ptr + page * stride_page
     return valid, page_ptr + off * DATA_BYTES, page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
 
 
 @triton.jit
-def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
+def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, stride_kn, stride_kd,
                      PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                      NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
                      NUM_TILES: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
                      BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Row n of ``k [N, 512] bf16`` -> MODEL1 bytes of slot ``slots[n]`` (docs/semantics.md §2.2)."""
+    """Row n of ``k [N, 512] bf16`` -> MODEL1 bytes of slot ``slots[n]`` (docs/semantics.md §2.2),
+    if that slot is in ``[0, capacity)``."""
     tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
     tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
     row = tl.program_id(0).to(tl.int64)
-    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE, DATA_BYTES,
-                                                   SCALE_BYTES)
+    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
+                                                   DATA_BYTES, SCALE_BYTES)
 
     tile = tl.arange(0, 8)
     col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64] element index
@@ -74,19 +78,20 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride
 
 
 @triton.jit
-def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, stride_page, stride_on,
+def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, capacity, stride_page, stride_on,
                        PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                        NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
                        NUM_TILES: tl.constexpr, BIAS: tl.constexpr):
-    """MODEL1 bytes of slot ``slots[n]`` -> row n of ``out [N, 512] bf16`` (zeros if slot < 0)."""
+    """MODEL1 bytes of slot ``slots[n]`` -> row n of ``out [N, 512] bf16`` (zeros if the slot is
+    outside ``[0, capacity)``)."""
     row = tl.program_id(0).to(tl.int64)
-    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, stride_page, PAGE, DATA_BYTES,
-                                                   SCALE_BYTES)
+    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
+                                                   DATA_BYTES, SCALE_BYTES)
 
     tile = tl.arange(0, 8)
     is_nope = tile < NUM_TILES
     col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64]
-    # a negative slot reads nothing: code 0 (+0.0) at scale 1, rope 0
+    # an invalid slot reads nothing: code 0 (+0.0) at scale 1, rope 0
     code = tl.load(data_ptr + col, mask=is_nope[:, None] & valid, other=0)
     e = tl.load(scale_ptr + tile, mask=is_nope & valid, other=BIAS).to(tl.int32)
     # 2**(e - 127) from its bits; e == 0 is the subnormal 2**-127
@@ -101,12 +106,13 @@ def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, stride_page, stride_on,
 
 
 @triton.jit
-def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, stride_kd,
+def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, stride_kn, stride_kd,
                           PAGE: tl.constexpr, DIM: tl.constexpr, FP8_MAX: tl.constexpr,
                           EPS: tl.constexpr, SOFT_FP8: tl.constexpr):
-    """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]`` (docs/semantics.md §2.3)."""
+    """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]``
+    (docs/semantics.md §2.3), if that slot is in ``[0, capacity)``."""
     row = tl.program_id(0).to(tl.int64)
-    valid, page, off = _slot_page(slots_ptr, row, PAGE)
+    valid, page, off = _slot_page(slots_ptr, row, capacity, PAGE)
     page_ptr = cache_ptr + page * stride_page
     d = tl.arange(0, DIM)
     v = tl.load(k_ptr + row * stride_kn + d * stride_kd).to(tl.float32)
@@ -117,9 +123,9 @@ def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, stride_page, stride_kn, s
     tl.store(scale_ptr, sigma, mask=valid)
 
 
-def _check_page_rows(cache: torch.Tensor) -> None:
+def _check_page_rows(op: str, cache: torch.Tensor) -> None:
     if cache.stride(1) != 1:
-        raise ValueError(f"cache pages must be contiguous bytes, got strides {cache.stride()}")
+        raise ValueError(f"dsv4.{op}: cache pages must be contiguous bytes, got strides {cache.stride()}")
 
 
 def _model1_constants() -> dict:
@@ -129,23 +135,25 @@ def _model1_constants() -> dict:
 
 def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (int32/int64 [N];
-    negative: skipped) of ``cache [N_pages, Nb] uint8`` (pages may be strided, bytes contiguous)."""
-    _check_page_rows(cache)
+    outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, Nb] uint8`` (pages may be strided,
+    bytes contiguous)."""
+    _check_page_rows("store_kv", cache)
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
-        cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
+        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
+        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
         num_warps=4)
 
 
 def launch_dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Keys at ``slots [N]`` of a MODEL1 cache as ``[N, 512] bf16`` (zeros for negative slots)."""
-    _check_page_rows(cache)
+    """Keys at ``slots [N]`` of a MODEL1 cache as ``[N, 512] bf16`` (zeros for slots outside
+    ``[0, N_pages * P)``)."""
+    _check_page_rows("dequant_kv", cache)
     out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     if slots.shape[0]:
         _dequant_kv_kernel[(slots.shape[0],)](
-            out, cache, slots.contiguous(), cache.stride(0), out.stride(0), PAGE=page_size,
+            out, cache, slots.contiguous(), cache.shape[0] * page_size, cache.stride(0), out.stride(0), PAGE=page_size,
             **_model1_constants(), num_warps=4)
     return out
 
@@ -153,11 +161,11 @@ def launch_dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) 
 def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
                          page_size: int) -> None:
     """Quantise indexer keys ``k [N, 128] bf16/fp32`` (fp8 + fp32 scale per entry) and write row n
-    at ``slots[n]`` (negative: skipped) of ``cache [N_pages, P * 132] uint8``."""
-    _check_page_rows(cache)
+    at ``slots[n]`` (outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, P * 132] uint8``."""
+    _check_page_rows("store_index_k", cache)
     if k.shape[0] == 0:
         return
     _store_index_k_kernel[(k.shape[0],)](
-        cache, slots.contiguous(), k, cache.stride(0), k.stride(0), k.stride(1), PAGE=page_size,
-        DIM=INDEX_HEAD_DIM, FP8_MAX=layout.FP8_MAX, EPS=layout.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
+        cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
+        PAGE=page_size, DIM=INDEX_HEAD_DIM, FP8_MAX=layout.FP8_MAX, EPS=layout.INDEX_SCALE_EPS, SOFT_FP8=INTERPRET,
         num_warps=1)

@@ -5,6 +5,10 @@ Output widths are fixed by capacity; loads are masked to what the row can see, s
 the stores grows with true lengths. Values equal the reference's exactly (int32 outputs; integer
 division by the page size or ratio is floor division, as in PyTorch).
 
+Out-of-range values read as "no entry" (docs/semantics.md §6): every load through a request row,
+position or full slot is masked to the tensor it reads (``R`` request rows, ``L_max`` positions,
+``full_to_swa``'s length), with the reference's fill values, so no kernel reads outside its inputs.
+
 Each launcher has its op's signature. Output buffers come from the field table
 (``metadata_chain.empty_outputs``) and reach a kernel by keyword: the kernel parameter of field
 ``f`` is ``f_ptr``, so a kernel names the fields it writes instead of relying on their order.
@@ -31,12 +35,6 @@ def _floor_div(a, B: tl.constexpr):
     """``a // B`` rounded towards -inf (PyTorch semantics) for a positive constant ``B``."""
     q = a // B
     return q - ((a % B) < 0).to(q.dtype)
-
-
-@triton.jit
-def _torch_index(i, n):
-    """A possibly negative index ``i`` into a length-``n`` tensor, wrapped like ``t[i]``."""
-    return tl.where(i < 0, i + n, i)
 
 
 @triton.jit
@@ -69,31 +67,38 @@ def _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B: tl.c
 
 
 @triton.jit
-def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, NP, PAGE: tl.constexpr):
+def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE: tl.constexpr):
     """Full-pool pages ``req_to_page[req, i]`` of page indices ``i`` holding positions below
-    ``seq`` (0 past them and past NP): a contiguous read of the row's live pages only."""
+    ``seq`` (0 past them, past NP and for a request row outside ``[0, R)``): a contiguous read of
+    the row's live pages only."""
+    known = (req >= 0) & (req < R)
     return tl.load(req_to_page_ptr + req.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pp,
-                   mask=(i < NP) & (i * PAGE < seq), other=0)
+                   mask=(i < NP) & (i * PAGE < seq) & known, other=0)
 
 
 @triton.jit
 def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr,
-             full_to_swa_ptr, stride_rr, stride_rl, stride_f, n_swa, W: tl.constexpr):
-    """Window slots of row q, newest first (-1 before position 0), its length and write slot."""
+             full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W: tl.constexpr):
+    """Window slots of row q, newest first, its length and write slot; -1 for positions outside
+    ``[0, L)``, a request row outside ``[0, R)`` and full slots outside ``[0, n_swa)``."""
     p = (seq - 1).to(tl.int64) - tl.arange(0, W)
-    m = p >= 0
-    full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl, mask=m, other=0)
-    swa = tl.load(full_to_swa_ptr + _torch_index(full.to(tl.int64), n_swa) * stride_f, mask=m)
-    tl.store(indices_ptr + q * W + tl.arange(0, W), tl.where(m, swa, -1).to(tl.int32))
+    known = (req >= 0) & (req < R)
+    full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl,
+                   mask=known & (p >= 0) & (p < L), other=-1).to(tl.int64)
+    swa = tl.load(full_to_swa_ptr + full * stride_f, mask=(full >= 0) & (full < n_swa), other=-1)
+    tl.store(indices_ptr + q * W + tl.arange(0, W), swa.to(tl.int32))
     tl.store(lengths_ptr + q, tl.minimum(seq, W).to(tl.int32))
-    loc_swa = tl.load(full_to_swa_ptr + _torch_index(loc.to(tl.int64), n_swa) * stride_f)
+    loc = loc.to(tl.int64)
+    loc_swa = tl.load(full_to_swa_ptr + loc * stride_f, mask=known & (loc >= 0) & (loc < n_swa), other=-1)
     tl.store(out_loc_ptr + q, loc_swa.to(tl.int32))
 
 
 @triton.jit
-def _compressed_out_loc(seq, loc, R: tl.constexpr):
-    """``loc // R`` for a row completing a ratio-R window (``seq % R == 0``), else -1 (int32)."""
-    return tl.where(seq % R == 0, _floor_div(loc.to(tl.int64), R), -1).to(tl.int32)
+def _compressed_out_loc(seq, loc, RATIO: tl.constexpr):
+    """``loc // RATIO`` for a row completing a window (``seq`` a positive multiple of RATIO) with
+    a non-negative out slot, else -1 (int32)."""
+    loc = loc.to(tl.int64)
+    return tl.where((seq > 0) & (seq % RATIO == 0) & (loc >= 0), loc // RATIO, -1).to(tl.int32)
 
 
 @triton.jit
@@ -125,23 +130,23 @@ def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_of_r
 
 
 @triton.jit
-def _page_table_kernel(req_to_page_ptr, req_of_row_ptr, seq_ptr, page_table_ptr, stride_pr, stride_pp, NP,
+def _page_table_kernel(req_to_page_ptr, req_of_row_ptr, seq_ptr, page_table_ptr, stride_pr, stride_pp, R, NP,
                        PAGE: tl.constexpr, BLOCK: tl.constexpr):
     """``page_table[q, i] = req_to_page[req_q, i]`` for a block of pages i (0 past the row)."""
     q = tl.program_id(0).to(tl.int64)
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     req = tl.load(req_of_row_ptr + q)
-    page = _page_block(req_to_page_ptr, req, tl.load(seq_ptr + q), i, stride_pr, stride_pp, NP, PAGE)
+    page = _page_block(req_to_page_ptr, req, tl.load(seq_ptr + q), i, stride_pr, stride_pp, R, NP, PAGE)
     tl.store(page_table_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
 
 
 @triton.jit
 def _swa_kernel(req_to_token_ptr, full_to_swa_ptr, req_of_row_ptr, seq_ptr, out_cache_loc_ptr, swa_indices_ptr,
-                swa_lengths_ptr, swa_out_loc_ptr, stride_rr, stride_rl, stride_f, n_swa, W: tl.constexpr):
+                swa_lengths_ptr, swa_out_loc_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W: tl.constexpr):
     q = tl.program_id(0).to(tl.int64)
     _swa_row(q, tl.load(req_of_row_ptr + q), tl.load(seq_ptr + q), tl.load(out_cache_loc_ptr + q),
              swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr, full_to_swa_ptr, stride_rr,
-             stride_rl, stride_f, n_swa, W)
+             stride_rl, stride_f, R, L, n_swa, W)
 
 
 @triton.jit
@@ -180,7 +185,7 @@ def _step_metadata_kernel(
         full_to_swa_ptr, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr, page_table_ptr,
         swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, c4_out_loc_ptr, c4_visible_ptr,
         c4_topk_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
-        B, stride_rr, stride_rl, stride_pr, stride_pp, stride_f, n_swa, NP, K, topk,
+        B, stride_rr, stride_rl, stride_pr, stride_pp, stride_f, R, L, n_swa, NP, K, topk,
         PAGE: tl.constexpr, W: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK: tl.constexpr):
     """Every per-row field of a step in one launch: program (q, blk) expands row q, writes pages
     ``[blk BLOCK, (blk + 1) BLOCK)`` of its page table and the c128 entries of those pages (from
@@ -190,7 +195,7 @@ def _step_metadata_kernel(
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
     q = q.to(tl.int64)
     i = blk * BLOCK + tl.arange(0, BLOCK)
-    page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, NP, PAGE).to(tl.int32)
+    page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE).to(tl.int32)
     tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
     visible = _floor_div(seq, 128)
     j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i
@@ -202,7 +207,7 @@ def _step_metadata_kernel(
         tl.store(extend_end_ptr + q, end)
         loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
-                 full_to_swa_ptr, stride_rr, stride_rl, stride_f, n_swa, W)
+                 full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)
         c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(seq, loc, topk)
         tl.store(c4_out_loc_ptr + q, c4_out_loc)
         tl.store(c4_visible_ptr + q, c4_visible)
@@ -248,7 +253,8 @@ def launch_build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
         block = _block(n_pages)
         _page_table_kernel[(t, triton.cdiv(n_pages, block))](
             req_to_page, *_rows(req_of_row, seq_lens_causal), **_pointers(outs), stride_pr=req_to_page.stride(0),
-            stride_pp=req_to_page.stride(1), NP=n_pages, PAGE=PAGE_SIZE, BLOCK=block, num_warps=4)
+            stride_pp=req_to_page.stride(1), R=req_to_page.shape[0], NP=n_pages, PAGE=PAGE_SIZE, BLOCK=block,
+            num_warps=4)
     return outs["page_table"]
 
 
@@ -262,7 +268,8 @@ def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Ten
     if t:
         _swa_kernel[(t,)](req_to_token, full_to_swa, *_rows(req_of_row, seq_lens_causal, out_cache_loc),
                           **_pointers(outs), stride_rr=req_to_token.stride(0), stride_rl=req_to_token.stride(1),
-                          stride_f=full_to_swa.stride(0), n_swa=full_to_swa.shape[0], W=SWA_WINDOW, num_warps=1)
+                          stride_f=full_to_swa.stride(0), R=req_to_token.shape[0], L=req_to_token.shape[1],
+                          n_swa=full_to_swa.shape[0], W=SWA_WINDOW, num_warps=1)
     return tuple(outs.values())
 
 
@@ -307,6 +314,7 @@ def launch_step_metadata(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_
             *_rows(req_rows, seq_lens, extend_lens, out_cache_loc), req_to_token, req_to_page, full_to_swa,
             **_pointers(outs), B=b, stride_rr=req_to_token.stride(0), stride_rl=req_to_token.stride(1),
             stride_pr=req_to_page.stride(0), stride_pp=req_to_page.stride(1), stride_f=full_to_swa.stride(0),
-            n_swa=full_to_swa.shape[0], NP=n_pages, K=width, topk=topk, PAGE=PAGE_SIZE, W=SWA_WINDOW,
+            R=req_to_token.shape[0], L=req_to_token.shape[1], n_swa=full_to_swa.shape[0], NP=n_pages, K=width,
+            topk=topk, PAGE=PAGE_SIZE, W=SWA_WINDOW,
             BLOCK_B=_block(b), BLOCK=block, num_warps=4)
     return tuple(outs.values())

@@ -2,7 +2,8 @@
 ``dsv4::indexer_topk``; the logits come from ``indexer.py::_logits_kernel``).
 
 Row ``q`` has ``n = min(visible[q], capacity)`` logits ``workspace[q, :n]``. Output ``out[q, :K]``:
-``slot(j) = page_table[q, j // 64] * 64 + j % 64`` for the selected ``j``, -1 padded.
+``slot(j) = page_table[q, j // 64] * 64 + j % 64`` for the selected ``j``, -1 padded; -1 as well
+for an entry whose page is outside the index cache (``num_pages`` pages, docs/semantics.md §6).
 Everything is decided per row on the device:
 
 * ``n <= K``: every visible ``j`` in order (no logits read), then -1s (``_radix_select_kernel``).
@@ -92,9 +93,10 @@ def _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB: tl.constexpr):
 
 
 @triton.jit
-def _slot(pt_row, j, mask, PAGE: tl.constexpr):
-    page = tl.load(pt_row + j // PAGE, mask=mask, other=0)
-    return (page * PAGE + j % PAGE).to(tl.int32)
+def _slot(pt_row, j, mask, num_pages, PAGE: tl.constexpr):
+    """c4 slots of entries ``j`` (page table row ``pt_row``); -1 on pages outside ``[0, num_pages)``."""
+    page = tl.load(pt_row + j // PAGE, mask=mask, other=-1).to(tl.int64)
+    return tl.where((page >= 0) & (page < num_pages), page * PAGE + j % PAGE, -1).to(tl.int32)
 
 
 @triton.jit
@@ -120,7 +122,7 @@ def _bucket_hist_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity
 
 @triton.jit
 def _bucket_emit_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity,
-                        topk, num_splits, num_sel, stride_workspace, stride_pt, stride_out,
+                        num_pages, topk, num_splits, num_sel, stride_workspace, stride_pt, stride_out,
                         S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
                         PDL: tl.constexpr):
     if PDL:
@@ -141,7 +143,7 @@ def _bucket_emit_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_pt
             is_above = (j < end) & (rb < b_star)
             is_cand = (j < end) & (rb == b_star)
             pos = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), 0)  # inclusive, packed
-            slot = _slot(pt_ptr + row * stride_pt, j, is_above, PAGE)
+            slot = _slot(pt_ptr + row * stride_pt, j, is_above, num_pages, PAGE)
             tl.store(out_ptr + row * stride_out + off_above + (pos & 0xFFFF) - 1, slot, mask=is_above)
             tl.store(cand_ptr + r.to(tl.int64) * stride_workspace + off_cand + (pos >> 16) - 1, j, mask=is_cand)
             off_above += tl.sum(is_above.to(tl.int32), 0)
@@ -156,8 +158,8 @@ def _ordered_key(x):
 
 
 @triton.jit
-def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, topk,
-                         num_sel, stride_workspace, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
+def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, num_pages,
+                         topk, num_sel, stride_workspace, stride_pt, stride_out, NB: tl.constexpr, BLOCK: tl.constexpr,
                          PAGE: tl.constexpr, PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
@@ -201,21 +203,22 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
             eq = (c < num_cand) & (key == prefix)
             take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
             pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out_row + pos, _slot(pt_row, j, take, PAGE), mask=take)
+            tl.store(out_row + pos, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
             filled += tl.sum(take.to(tl.int32), 0)
             ties += tl.sum(eq.to(tl.int32), 0)
     for c0 in range(0, topk, BLOCK):  # n <= K: slots of j < n; always: -1 after the last selected
         c = c0 + tl.arange(0, BLOCK)
         if n <= topk:
-            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, PAGE), -1), mask=c < topk)
+            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, num_pages, PAGE), -1), mask=c < topk)
         else:
             tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
 
 
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
                        visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
-                       rows: int, pdl: bool = False) -> None:
-    """Fill ``out[row0 : row0 + rows]`` from the logits ``workspace [>= rows, capacity] fp32``.
+                       num_pages: int, rows: int, pdl: bool = False) -> None:
+    """Fill ``out[row0 : row0 + rows]`` from the logits ``workspace [>= rows, capacity] fp32``;
+    ``num_pages``: pages of the index cache (slots on other pages come out as -1).
 
     minmax: [>= rows, S, 2] fp32 per-split min / max of the scan; page_table: [T, NP] int32/int64
     (contiguous); visible: [T]; out: [T, topk] int32. ``workspace`` / ``minmax`` may be None when
@@ -228,7 +231,8 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
     if workspace is None:  # only the n <= K branch can run: placeholders for the unused buffers
         workspace = torch.empty(1, 1, dtype=torch.float32, device=out.device)
         cand, hist = workspace.view(torch.int32), torch.empty(1, 1, _NB, dtype=torch.int32, device=out.device)
-        _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, topk, 1,
+        _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, num_pages,
+                                      topk, 1,
                                       workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
@@ -243,7 +247,8 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
     _bucket_hist_kernel[(rows, num_sel)](workspace, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
                                          workspace.stride(0), S_P2=s_p2, **common)
     _bucket_emit_kernel[(rows, num_sel)](workspace, minmax, visible, hist, page_table, out, cand, row0, capacity,
-                                         topk, num_splits, num_sel, workspace.stride(0), page_table.stride(0),
+                                         num_pages, topk, num_splits, num_sel, workspace.stride(0), page_table.stride(0),
                                          out.stride(0), S_P2=s_p2, PAGE=page, **common)
-    _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, topk, num_sel,
+    _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, num_pages, topk,
+                                  num_sel,
                                   workspace.stride(0), page_table.stride(0), out.stride(0), PAGE=page, **common)

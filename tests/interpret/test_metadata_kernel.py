@@ -71,9 +71,9 @@ def test_fused_step_metadata_matches_reference(device, name):
     _assert_fields(named(got), _reference(step.tensors(), req_to_token, full_to_swa, 3))
 
 
-def test_int64_inputs_and_torch_negative_indexing(device):
-    """int64 step tensors and upstream fields; ``full_to_swa`` int64 ending in -1, read through a -1
-    slot (``t[-1]``)."""
+def test_int64_inputs_and_negative_full_slots(device):
+    """int64 step tensors and upstream fields; ``full_to_swa`` int64 ending in -1, and stale -1 full
+    slots in ``req_to_token``: a negative full slot reads as "no entry" (-1), never ``t[-1]``."""
     req_to_token, full_to_swa, step = _inputs(device, "verify_ragged")
     full_to_swa = torch.cat([full_to_swa.long(), full_to_swa.new_full((1,), -1, dtype=torch.int64)])
     req_to_token = req_to_token.long()

@@ -1,5 +1,7 @@
 """torch.library.opcheck on every dsv4:: op over its materially different paths (schema incl.
-mutation declarations, fake-vs-real metadata, AOT dispatch with dynamic shapes)."""
+mutation declarations, fake-vs-real metadata, AOT dispatch with dynamic shapes), and the op
+boundary's device check: a tensor argument on another device than the op's cache / first tensor
+is an error naming the op and the argument."""
 
 import pytest
 import torch
@@ -104,3 +106,53 @@ def test_sparse_attn(state, extra, sink):
     elif extra == "c128":
         extra = KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths)
     _opcheck(ops.sparse_attn, op_args(q, swa, extra, sinks, TINY.softmax_scale))
+
+
+def _calls(state) -> dict[str, tuple]:
+    """One valid call of every op of this library but ``sparse_attn``: op name -> arguments."""
+    eng, cache, steps, metas = state
+    step, meta, lc, layer = steps["decode"], metas["decode"], cache.layers[1], eng.stack.layers[1]
+    comp = layer.compressor
+    t = meta.positions.shape[0]
+    kv, score = comp.project(torch.randn(t, TINY.hidden_size).bfloat16())
+    q_fp8, w = ops.indexer_prepare_q(torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1)
+    pool = torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8)
+    slots, keys = torch.tensor([1, 70]), torch.randn(2, 512).bfloat16()
+    return {
+        "expand_queries": step.tensors(),
+        "build_page_table": (cache.req_to_page, meta.req_of_row, meta.seq_lens_causal),
+        "build_swa_metadata": (cache.req_to_token, cache.full_to_swa, meta.req_of_row, meta.seq_lens_causal,
+                               step.out_cache_loc),
+        "build_c4_metadata": (meta.seq_lens_causal, step.out_cache_loc, 64),
+        "build_c128_metadata": (meta.page_table, meta.seq_lens_causal, step.out_cache_loc),
+        "step_metadata": (*step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa, 64),
+        "store_kv": (pool, slots, keys, 64),
+        "dequant_kv": (pool, slots, 64),
+        "store_index_k": (torch.zeros(2, layout.index_page_bytes(), dtype=torch.uint8), slots, torch.randn(2, 128), 64),
+        "compress_kv": (lc.kv_state.clone(), kv.detach(), score.detach(), comp.ape.detach(), meta.req_of_row,
+                        meta.seq_lens_causal, meta.extend_start, meta.extend_end, comp.norm.detach(), layer.inv_freq,
+                        comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps),
+        "indexer_prepare_q": (torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1),
+        "indexer_topk": (q_fp8, w, lc.index_k, meta.page_table, meta.c4_visible, 64),
+    }
+
+
+OPS_WITHOUT_ATTENTION = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
+                         "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k",
+                         "compress_kv", "indexer_prepare_q", "indexer_topk"]
+
+
+@pytest.mark.parametrize("op_name", OPS_WITHOUT_ATTENTION)
+def test_tensor_on_another_device_is_named(state, op_name):
+    """Each tensor argument in turn on ``meta`` (the others on the CPU): a ValueError naming the op
+    and that argument, before anything runs."""
+    args = _calls(state)[op_name]
+    op = getattr(ops, op_name)
+    names = [a.name for a in op.default._schema.arguments]
+    getattr(ops, op_name)(*args)  # the call itself is valid
+    for i, arg in enumerate(args):
+        if not isinstance(arg, torch.Tensor):
+            continue
+        moved = (*args[:i], arg.to("meta"), *args[i + 1:])
+        with pytest.raises(ValueError, match=rf"^dsv4\.{op_name}: .*\b{names[i]}\b"):
+            op(*moved)
