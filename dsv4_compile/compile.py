@@ -75,8 +75,13 @@ def compile_step(stack: DSV4AttentionStack, *, mode: str | None = None, options:
     keyword (``name``, ``disable``, ...) as is. With a ``backend`` other than Inductor, ``mode``
     and ``options`` go to it unchanged and ``cuda_graphs`` / ``passes`` (Inductor settings) must
     be left unset. ``device_checks``: see :mod:`dsv4_compile.device_checks` (``None``: the
-    ``DSV4_DEVICE_CHECKS`` environment switch)."""
+    ``DSV4_DEVICE_CHECKS`` environment switch); on a CPU stack they compile Inductor's kernels
+    single-threaded (``cpp.threads=1``): a failed check throws inside a kernel, and from an
+    OpenMP parallel region that terminates the process instead of raising."""
+    checks = ENABLED_BY_ENV if device_checks is None else device_checks
     if backend == "inductor":
+        if checks and stack.cache.device.type == "cpu":  # a failed check must raise, not terminate
+            options = {"cpp.threads": 1, **(options or {})}
         settings = {"options": compile_options(mode, options, cuda_graphs, passes)}
     elif cuda_graphs is not None or passes is not None:
         raise ValueError(f"cuda_graphs and passes are Inductor settings; backend={backend!r} takes neither")
@@ -84,7 +89,7 @@ def compile_step(stack: DSV4AttentionStack, *, mode: str | None = None, options:
         settings = {"mode": mode, "options": dict(options) if options else None}
     compiled = torch.compile(_own_code(_run_step), backend=backend, dynamic=dynamic, fullgraph=fullgraph,
                              **settings, **kwargs)
-    return CompiledStep(stack, compiled, ENABLED_BY_ENV if device_checks is None else device_checks)
+    return CompiledStep(stack, compiled, checks)
 
 
 class CompiledStep:
@@ -93,9 +98,8 @@ class CompiledStep:
     Before entering the compiled graph, on the host and from Python values only: refuses a step
     under autograd and ``DRAFT_EXTEND`` on a stack with compressed layers (what eager validation
     would say), returns a step with no rows at once (it computes and writes nothing), and hands
-    Dynamo the step with :data:`GRAPH_MODE` (a step with no request with its three empty request
-    tensors as one, the way ``StepInputs.idle`` builds it: Dynamo guards on aliasing). Outputs of a CUDA-graph replay are overwritten by the
-    next replay: clone what you keep.
+    Dynamo the step in one canonical form (:func:`_graph_step`). Outputs of a CUDA-graph replay
+    are overwritten by the next replay: clone what you keep.
     """
 
     def __init__(self, stack: DSV4AttentionStack, compiled: Callable, device_checks: bool):
@@ -109,11 +113,22 @@ class CompiledStep:
                              "compressed layers")
         if step.num_tokens == 0:
             return torch.empty_like(x)
-        rows, seq_lens, extend_lens, loc = step.tensors()
-        if not rows.shape[0]:  # one empty tensor for all three, as StepInputs.idle makes it
-            seq_lens = extend_lens = rows
-        step = StepInputs(GRAPH_MODE, rows, seq_lens, extend_lens, loc)
-        return self.compiled(self.stack, x, step, self.device_checks)
+        return self.compiled(self.stack, _plain(x), _graph_step(step), self.device_checks)
+
+
+def _graph_step(step: StepInputs) -> StepInputs:
+    """``step`` as the compiled function receives it: mode :data:`GRAPH_MODE`, no views, and with
+    no request its three empty request tensors as one, the way ``StepInputs.idle`` builds it
+    (Dynamo guards on views and on aliasing, each a frame of its own otherwise)."""
+    rows, seq_lens, extend_lens, loc = (_plain(t) for t in step.tensors())
+    if not rows.shape[0]:
+        seq_lens = extend_lens = rows
+    return StepInputs(GRAPH_MODE, rows, seq_lens, extend_lens, loc)
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or when it is a view, the same memory as a tensor that is not a view."""
+    return t if t._base is None else t.detach()
 
 
 def _run_step(stack: DSV4AttentionStack, x: torch.Tensor, step: StepInputs, device_checks: bool) -> torch.Tensor:

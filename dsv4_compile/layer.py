@@ -26,7 +26,7 @@ from . import layout
 from .attention import KVSet, sparse_attn
 from .cache import DSV4Cache, LayerCache
 from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
-from .device_checks import ENABLED_BY_ENV, check_step_inputs, check_step_slots
+from .device_checks import ENABLED_BY_ENV, checked_step
 from .reference.functional import rms_norm, rope_tail
 from .rope import layer_inv_freq
 from .step import StepInputs, StepMetadata, build_step_metadata
@@ -194,20 +194,17 @@ class DSV4AttentionStack(nn.Module):
                 device_checks: bool | None = None) -> torch.Tensor:
         """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16.
 
-        Inference only: raises unless autograd is off for the step (:func:`require_inference`).
         Eager calls validate ``step`` on the host first (``validate=False`` skips that, e.g. while
-        capturing a CUDA graph by hand); compiled calls never do. ``device_checks`` adds checks
+        capturing a CUDA graph by hand); compiled calls never do. Inference only: a step under
+        autograd raises (:func:`require_inference`). ``device_checks`` adds checks
         of the step's tensors inside the step (:mod:`dsv4_compile.device_checks`; ``None``: on
         when ``DSV4_DEVICE_CHECKS=1`` was set at import)."""
-        require_inference(self, x)
         if validate and not torch.compiler.is_compiling():
             validate_step(self.config, self.cache, x, step)
-        checks = ENABLED_BY_ENV if device_checks is None else device_checks
-        if checks:
-            check_step_inputs(self.cache, self.config.hidden_size, x, step)
+        require_inference(self, x)
+        if ENABLED_BY_ENV if device_checks is None else device_checks:
+            step = checked_step(self.cache, self.config.hidden_size, x, step)
         meta = build_step_metadata(step, self.cache, self.config)
-        if checks:
-            check_step_slots(self.cache, step, meta)
         h = x
         for layer, layer_cache in zip(self.layers, self.cache.layers):
             h = h + layer(h, meta, layer_cache)
