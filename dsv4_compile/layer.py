@@ -26,6 +26,7 @@ from . import layout
 from .attention import KVSet, sparse_attn
 from .cache import DSV4Cache, LayerCache
 from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
+from .device_checks import ENABLED_BY_ENV, checked_step
 from .reference.functional import rms_norm, rope_tail
 from .rope import layer_inv_freq
 from .step import StepInputs, StepMetadata, build_step_metadata
@@ -189,14 +190,34 @@ class DSV4AttentionStack(nn.Module):
             layer.reset_parameters(gen)
         return self
 
-    def forward(self, x: torch.Tensor, step: StepInputs, validate: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: StepInputs, validate: bool = True,
+                device_checks: bool | None = None) -> torch.Tensor:
         """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16.
+
         Eager calls validate ``step`` on the host first (``validate=False`` skips that, e.g. while
-        capturing a CUDA graph by hand); compiled calls never do."""
+        capturing a CUDA graph by hand); compiled calls never do. Inference only: a step under
+        autograd raises (:func:`require_inference`). ``device_checks`` adds checks
+        of the step's tensors inside the step (:mod:`dsv4_compile.device_checks`; ``None``: on
+        when ``DSV4_DEVICE_CHECKS=1`` was set at import)."""
         if validate and not torch.compiler.is_compiling():
             validate_step(self.config, self.cache, x, step)
+        require_inference(self, x)
+        if ENABLED_BY_ENV if device_checks is None else device_checks:
+            step = checked_step(self.cache, self.config.hidden_size, x, step)
         meta = build_step_metadata(step, self.cache, self.config)
         h = x
         for layer, layer_cache in zip(self.layers, self.cache.layers):
             h = h + layer(h, meta, layer_cache)
         return h
+
+
+def require_inference(module: nn.Module, x: torch.Tensor) -> None:
+    """Raise ``RuntimeError`` when a step would be recorded by autograd: grad mode on and ``x`` or
+    a parameter of ``module`` requiring grad. The dsv4:: ops have no backward and a step writes
+    the cache in place, so the library is inference-only. Evaluated eagerly and while tracing (a
+    compiled frame guards on grad mode and on ``requires_grad``, so it costs nothing per call)."""
+    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
+                                    or any(p.requires_grad for p in module.parameters())):
+        raise RuntimeError(f"{type(module).__name__} is inference-only (the dsv4:: ops have no backward): "
+                           "run steps under torch.no_grad() or torch.inference_mode(), or call "
+                           ".requires_grad_(False) on the stack")

@@ -1,0 +1,102 @@
+"""compile_step: how it merges torch.compile's arguments with what a step needs, and the number of
+Dynamo frames a full serving mix takes under torch's default Dynamo config (docs/compile.md,
+"compile_step" and "Frames and the recompile limit")."""
+
+import pytest
+import torch
+
+from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs
+from dsv4_compile.compile import MAX_FRAMES, compile_options, compile_step
+from dsv4_compile.fx_passes import DSV4PassManager
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.compile.serving_mix import ShapeLog, run_draft_mix, run_target_mix
+from tests.support.compile_checks import GraphCapture, fresh_compile_state, graph_breaks
+from tests.support.oracle_asserts import assert_outputs_match
+
+M = ForwardMode
+TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64, compress_ratios=(4, 128))
+DRAFT = TINY.with_(compress_ratios=(0,))
+CG, PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
+
+
+@pytest.mark.parametrize("mode, options, cuda_graphs, want", [
+    (None, None, None, {CG: True}),
+    ("default", None, None, {CG: True}),
+    ("reduce-overhead", None, None, {CG: True}),
+    ("reduce-overhead", {"epilogue_fusion": False}, None, {CG: True, "epilogue_fusion": False}),
+    ("max-autotune", None, None, {CG: True, "max_autotune": True, "coordinate_descent_tuning": True}),
+    ("max-autotune-no-cudagraphs", None, None,
+     {CG: False, "max_autotune": True, "coordinate_descent_tuning": True}),
+    ("max-autotune-no-cudagraphs", None, False, {CG: False, "max_autotune": True, "coordinate_descent_tuning": True}),
+    (None, {CG: False}, None, {CG: False}),
+    (None, {CG: False}, False, {CG: False}),
+    (None, {"max_autotune": True}, True, {CG: True, "max_autotune": True}),
+    ("reduce-overhead", {CG: False}, None, {CG: False}),  # options refine the mode
+])
+def test_compile_options_merge_mode_options_and_ours(mode, options, cuda_graphs, want):
+    passes = DSV4PassManager([])
+    got = compile_options(mode, options, cuda_graphs, passes)
+    assert got.pop(PASS) is passes
+    assert got == want
+    assert isinstance(compile_options(mode, options, cuda_graphs)[PASS], DSV4PassManager)  # default: every pass
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"mode": "reduce-overhead", "cuda_graphs": False}, "contradicts"),
+    ({"mode": "max-autotune-no-cudagraphs", "cuda_graphs": True}, "contradicts"),
+    ({"options": {CG: True}, "cuda_graphs": False}, "contradicts"),
+    ({"options": {PASS: DSV4PassManager([])}}, "passes="),
+    ({"mode": "fast"}, "mode='fast'"),
+])
+def test_compile_options_refuse_contradictions(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        compile_options(**kwargs)
+
+
+def test_inductor_settings_with_another_backend_are_refused():
+    eng, _ = make_engine(TINY, max_requests=1, max_seq_len=256, capture_layers=False)
+    for kwargs in ({"cuda_graphs": True}, {"passes": DSV4PassManager()}):
+        with pytest.raises(ValueError, match="Inductor settings"):
+            compile_step(eng.stack, backend="eager", **kwargs)
+
+
+@torch.no_grad()
+def test_every_mode_traces_the_same_graph():
+    """What lets compile_step hand Dynamo one mode: on a given stack every mode traces the same
+    graph for the same shapes (DRAFT_EXTEND, valid only on an SWA-only stack, included there)."""
+    for config, modes in ((TINY, (M.EXTEND, M.DECODE, M.TARGET_VERIFY, M.IDLE)), (DRAFT, (M.EXTEND, M.DRAFT_EXTEND))):
+        eng, rec = make_engine(config, max_requests=2, max_seq_len=256, capture_layers=False)
+        rows = [eng.admit(), eng.admit()]
+        rec.run(M.EXTEND, {r: 9 for r in rows})
+        step = eng.build_step(M.DECODE, {r: 1 for r in rows})
+        x = torch.zeros(2, config.hidden_size, dtype=torch.bfloat16)
+        capture = GraphCapture("eager")
+        with fresh_compile_state():
+            compiled = torch.compile(eng.stack, backend=capture, fullgraph=True, dynamic=True)
+            for mode in modes:
+                compiled(x, StepInputs(mode, *step.tensors()))
+        assert capture.frame_count == len(modes)
+        codes = [gm.code for gm in capture.graphs]
+        assert all(code == codes[0] for code in codes[1:]), [m.value for m in modes]
+
+
+@torch.no_grad()
+def test_serving_mix_stays_within_the_frame_bound_with_default_config():
+    """The whole mix (every mode, batch 1 and bucketed sizes, idle, a draft stack beside the
+    target) through compile_step with torch's default Dynamo config: no graph break, one frame
+    per request / token-count class touched, at most MAX_FRAMES per compiled stack."""
+    assert torch._dynamo.config.recompile_limit == 8, "the test must run with torch's default limit"
+    results = {}
+    with fresh_compile_state():
+        for name, config, mix in (("target", TINY, run_target_mix), ("draft", DRAFT, run_draft_mix)):
+            eng, rec = make_engine(config, max_requests=4, max_seq_len=512, capture_layers=False)
+            eng.bucketed = True
+            capture = GraphCapture("eager")
+            eng.forward = log = ShapeLog(compile_step(eng.stack, backend=capture))
+            mix(eng, rec, lambda *_: None)
+            results[name] = (capture.frame_count, len(log.classes()))
+            assert_outputs_match(rec, rec.run(M.DECODE, {1: 1}))
+        assert graph_breaks() == 0
+    print(f"frames (compiled, classes touched): {results}")
+    assert results == {"target": (6, 6), "draft": (4, 4)}
+    assert all(frames <= MAX_FRAMES for frames, _ in results.values())
