@@ -18,16 +18,22 @@ max_draft_tokens``).
 Positions a request does not own read as "no page" in the index maps: freed rows and truncated
 positions are zeroed (slot 0 is the dummy target), so a stale step cannot reach another request's
 pages.
+
+:meth:`PageAllocator.transaction` groups changes all-or-nothing: a step whose later request does
+not fit leaves the allocator and the index maps exactly as they were.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
 from .cache import DSV4Cache
 from .config import PAGE_SIZE, SWA_WINDOW
+from .validate import check_count
 
 
 class OutOfPagesError(RuntimeError):
@@ -41,6 +47,9 @@ class _Request:
     full_pages: list[int] = field(default_factory=list)  # logical page i -> full page
     swa_pages: dict[int, int] = field(default_factory=dict)  # logical page i -> SWA page
 
+    def copy(self) -> "_Request":
+        return _Request(self.seq_len, self.high_water, self.full_pages[:], dict(self.swa_pages))
+
 
 class PageAllocator:
     """Request rows and pages of one :class:`DSV4Cache`."""
@@ -52,6 +61,7 @@ class PageAllocator:
         self._free_swa = list(range(cache.num_swa_pages - 1, 0, -1))
         self._requests: dict[int, _Request] = {}
         self._max_rollback = cache.config.max_draft_tokens
+        self._journal: list[tuple[torch.Tensor, object, torch.Tensor]] | None = None  # see transaction
 
     # -- queries -------------------------------------------------------------------------------
     def seq_len(self, row: int) -> int:
@@ -85,23 +95,33 @@ class PageAllocator:
         (``out_cache_loc``, int64 [num_tokens], on the cache's device). Evicts SWA pages that left
         the window first. Raises before changing anything if capacity would be exceeded."""
         req = self._get(row)
-        num_tokens = _count("num_tokens", num_tokens)
+        num_tokens = check_count("num_tokens", num_tokens)
         new_len = req.seq_len + num_tokens
         if new_len > self.cache.max_seq_len:
-            raise ValueError(f"request {row}: length {new_len} exceeds the cache's max_seq_len "
-                             f"{self.cache.max_seq_len}")
-        self.evict_swa(row)
+            raise ValueError(f"request {row}: num_tokens={num_tokens} brings its length to {new_len}, which "
+                             f"exceeds the cache's max_seq_len {self.cache.max_seq_len}")
         first, last = req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE)
         need_full = max(0, last - len(req.full_pages))
         need_swa = sum(1 for i in range(first, last) if i not in req.swa_pages)
-        if need_full > len(self._free_full) or need_swa > len(self._free_swa):
-            raise OutOfPagesError(f"request {row}: needs {need_full} full and {need_swa} SWA pages, "
-                                  f"{len(self._free_full)} and {len(self._free_swa)} free")
+        free_swa = len(self._free_swa) + len(self._dead_swa(req))  # dead pages lie before `first`
+        if need_full > len(self._free_full) or need_swa > free_swa:
+            raise OutOfPagesError(f"request {row}: num_tokens={num_tokens} needs {need_full} full and "
+                                  f"{need_swa} SWA pages, {len(self._free_full)} and {free_swa} free")
+        self.evict_swa(row)
         for i in range(first, last):
             if i >= len(req.full_pages):
                 req.full_pages.append(self._free_full.pop())
             if i not in req.swa_pages:
                 req.swa_pages[i] = self._free_swa.pop()
+        full = self._write_maps(row, req, new_len)
+        req.seq_len = new_len
+        req.high_water = max(req.high_water, new_len)
+        return full
+
+    def _write_maps(self, row: int, req: _Request, new_len: int) -> torch.Tensor:
+        """Index map entries of positions ``req.seq_len .. new_len - 1`` (pages already assigned);
+        returns their full slots (int64, on the cache's device)."""
+        first, last = req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE)
         pos = torch.arange(req.seq_len, new_len)
         page = pos // PAGE_SIZE
         full = torch.tensor(req.full_pages, dtype=torch.int64)[page] * PAGE_SIZE + pos % PAGE_SIZE
@@ -109,14 +129,13 @@ class PageAllocator:
         for i, p in req.swa_pages.items():
             swa_map[i] = p
         swa = swa_map[page] * PAGE_SIZE + pos % PAGE_SIZE
-        device = self.cache.device
-        self.cache.req_to_token[row, req.seq_len:new_len] = full.to(device, torch.int32)
-        self.cache.req_to_page[row, first:last] = torch.tensor(req.full_pages[first:last], dtype=torch.int32,
-                                                               device=device)
-        self.cache.full_to_swa[full.to(device)] = swa.to(device, torch.int32)
-        req.seq_len = new_len
-        req.high_water = max(req.high_water, new_len)
-        return full.to(device)
+        cache, device = self.cache, self.cache.device
+        full = full.to(device)
+        self._set(cache.req_to_token, (row, slice(req.seq_len, new_len)), full.to(torch.int32))
+        self._set(cache.req_to_page, (row, slice(first, last)),
+                  torch.tensor(req.full_pages[first:last], dtype=torch.int32, device=device))
+        self._set(cache.full_to_swa, full, swa.to(device, torch.int32))
+        return full
 
     def truncate(self, row: int, new_len: int) -> None:
         """Roll request ``row`` back to ``new_len`` tokens (rejected draft tokens), zero the index
@@ -127,18 +146,18 @@ class PageAllocator:
         compressor rings no longer hold the state it would need.
         """
         req = self._get(row)
-        new_len = _count("new_len", new_len)
+        new_len = check_count("new_len", new_len)
         if new_len > req.seq_len:
             raise ValueError(f"request {row}: new_len={new_len} is past its length {req.seq_len}")
         if new_len < req.high_water - self._max_rollback:
-            raise ValueError(f"request {row}: rolling back to {new_len} goes {req.high_water - new_len} "
+            raise ValueError(f"request {row}: new_len={new_len} goes {req.high_water - new_len} "
                              f"tokens below its longest length {req.high_water}; at most "
                              f"max_draft_tokens={self._max_rollback} can be rolled back")
         keep = -(-new_len // PAGE_SIZE)
         dropped = self.cache.req_to_token[row, new_len:req.seq_len].long()
-        self.cache.full_to_swa[dropped] = 0
-        self.cache.req_to_token[row, new_len:req.seq_len] = 0
-        self.cache.req_to_page[row, keep:len(req.full_pages)] = 0
+        self._set(self.cache.full_to_swa, dropped, 0)
+        self._set(self.cache.req_to_token, (row, slice(new_len, req.seq_len)), 0)
+        self._set(self.cache.req_to_page, (row, slice(keep, len(req.full_pages))), 0)
         for i in range(keep, len(req.full_pages)):
             self._release_swa(req, i)
         self._free_full.extend(reversed(req.full_pages[keep:]))
@@ -148,11 +167,15 @@ class PageAllocator:
     def evict_swa(self, row: int) -> int:
         """Free the SWA pages of ``row`` that no future query can attend to; returns how many."""
         req = self._get(row)
-        oldest_query = req.high_water - self._max_rollback  # the deepest rollback's next query
-        dead = [i for i in req.swa_pages if (i + 1) * PAGE_SIZE <= oldest_query - (SWA_WINDOW - 1)]
+        dead = self._dead_swa(req)
         for i in dead:
             self._release_swa(req, i)
         return len(dead)
+
+    def _dead_swa(self, req: _Request) -> list[int]:
+        """Logical pages of ``req`` holding SWA storage no future query reads."""
+        oldest_query = req.high_water - self._max_rollback  # the deepest rollback's next query
+        return [i for i in req.swa_pages if (i + 1) * PAGE_SIZE <= oldest_query - (SWA_WINDOW - 1)]
 
     def free(self, row: int) -> None:
         """Release every page and the row of a finished request; its index map rows read as
@@ -161,15 +184,45 @@ class PageAllocator:
         for i in list(req.swa_pages):
             self._release_swa(req, i)
         self._free_full.extend(reversed(req.full_pages))
-        self.cache.req_to_token[row] = 0
-        self.cache.req_to_page[row] = 0
+        self._set(self.cache.req_to_token, row, 0)
+        self._set(self.cache.req_to_page, row, 0)
         del self._requests[row]
         self._free_rows.append(row)
 
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """All or nothing: if the block raises, every change made inside it is undone — request
+        rows, pages, lengths and each index map entry (``req_to_token``, ``req_to_page``,
+        ``full_to_swa``) return to their state at entry, byte for byte — and the error propagates.
+        Blocks nest. (The compressor rings a rolled-back :meth:`admit` cleared stay cleared: they
+        belong to a free row.)"""
+        saved = ({row: req.copy() for row, req in self._requests.items()}, self._free_rows[:],
+                 self._free_full[:], self._free_swa[:])
+        outer, self._journal = self._journal, []
+        try:
+            yield
+        except BaseException:
+            for buffer, index, old in reversed(self._journal):
+                buffer[index] = old
+            self._requests, self._free_rows, self._free_full, self._free_swa = saved
+            raise
+        else:
+            if outer is not None:
+                outer.extend(self._journal)
+        finally:
+            self._journal = outer
+
     # -- internals -----------------------------------------------------------------------------
+    def _set(self, buffer: torch.Tensor, index, value) -> None:
+        """``buffer[index] = value`` on an index map, remembering the old values inside a
+        transaction."""
+        if self._journal is not None:
+            self._journal.append((buffer, index, buffer[index].clone()))
+        buffer[index] = value
+
     def _get(self, row: int) -> _Request:
         try:
-            return self._requests[_count("row", row)]
+            return self._requests[check_count("row", row)]
         except KeyError:
             raise ValueError(f"request row {row} is not active") from None
 
@@ -178,14 +231,5 @@ class PageAllocator:
         if page is None:
             return
         full_page = req.full_pages[i]
-        self.cache.full_to_swa[full_page * PAGE_SIZE:(full_page + 1) * PAGE_SIZE] = 0
+        self._set(self.cache.full_to_swa, slice(full_page * PAGE_SIZE, (full_page + 1) * PAGE_SIZE), 0)
         self._free_swa.append(page)
-
-
-def _count(name: str, value) -> int:
-    """``value`` as a non-negative Python int (a bool, float or tensor is refused by name)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value

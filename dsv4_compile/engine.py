@@ -5,8 +5,10 @@ requests. Used by the demo (``python -m dsv4_compile``), the tests and
 ``benchmarks/bench_step.py``.
 
 The caller supplies the hidden states of every step's new tokens (``run(mode, {row: x})``); the
-engine keeps no copy of them. Checking steps against the cache-free oracle is done outside it,
-by :class:`dsv4_compile.testing.oracle_recorder.OracleRecorder`.
+engine keeps no copy of them. A step that fails — a request that does not fit, bad inputs — leaves
+the allocator and the index maps exactly as they were (:meth:`PageAllocator.transaction`).
+Checking steps against the cache-free oracle is done outside it, by
+:class:`dsv4_compile.testing.oracle_recorder.OracleRecorder`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import torch
 from .allocator import PageAllocator
 from .layer import DSV4AttentionStack
 from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
+from .validate import check_count
 
 Forward = Callable[[torch.Tensor, StepInputs], torch.Tensor]
 
@@ -46,16 +49,33 @@ class Engine:
 
     def accept(self, row: int, num_accepted: int, num_drafts: int) -> None:
         """After a verify step of ``num_drafts`` tokens, keep the first ``num_accepted``."""
-        self.allocator.truncate(row, self.allocator.seq_len(row) - num_drafts + num_accepted)
+        seq_len = self.allocator.seq_len(row)
+        num_accepted, num_drafts = check_count("num_accepted", num_accepted), check_count("num_drafts", num_drafts)
+        if num_drafts > min(seq_len, self.stack.config.max_draft_tokens):
+            raise ValueError(f"num_drafts={num_drafts} exceeds request {row}'s length {seq_len} or "
+                             f"max_draft_tokens={self.stack.config.max_draft_tokens}")
+        if num_accepted > num_drafts:
+            raise ValueError(f"num_accepted={num_accepted} exceeds num_drafts={num_drafts}")
+        self.allocator.truncate(row, seq_len - num_drafts + num_accepted)
 
     # -- steps ---------------------------------------------------------------------------------
     def build_step(self, mode: ForwardMode, tokens: Mapping[int, int], *, pad_requests: int = 0,
                    pad_tokens: int = 0) -> StepInputs:
         """Allocate ``tokens[row]`` new positions per request and return the step (requests in the
         order of ``tokens``), padded to ``pad_requests`` requests and ``pad_tokens`` rows (the
-        bucket sizes) when larger."""
-        rows, ext = list(tokens), list(tokens.values())
-        locs = [self.allocator.extend(row, n) for row, n in tokens.items()]
+        bucket sizes) when larger. All or nothing: if any request's tokens do not fit (or an argument
+        is bad), no request is extended."""
+        if not isinstance(tokens, Mapping):
+            raise TypeError(f"tokens must be a mapping of request row to token count, got {type(tokens).__name__}")
+        pad_requests, pad_tokens = check_count("pad_requests", pad_requests), check_count("pad_tokens", pad_tokens)
+        with self.allocator.transaction():
+            locs = [self.allocator.extend(row, n) for row, n in tokens.items()]
+            return self._step(mode, list(tokens), locs, pad_requests, pad_tokens)
+
+    def _step(self, mode: ForwardMode, rows: list[int], locs: list[torch.Tensor], pad_requests: int,
+              pad_tokens: int) -> StepInputs:
+        """The step of requests ``rows`` whose new slots are ``locs``, padded as build_step says."""
+        ext = [loc.shape[0] for loc in locs]
         seq_lens = [self.allocator.seq_len(row) for row in rows]
         if self.bucketed:
             pad_requests = max(pad_requests, bucket(len(rows), REQUEST_BUCKETS))
@@ -80,16 +100,33 @@ class Engine:
     def run(self, mode: ForwardMode, inputs: Mapping[int, torch.Tensor], **pad) -> dict[int, torch.Tensor]:
         """One step: ``inputs[row]`` (``[n, hidden] bf16``) are the hidden states of request ``row``'s
         ``n`` new tokens. Returns each request's outputs for them (``[n, hidden]``). ``pad``: the
-        keyword arguments of :meth:`build_step`."""
-        step = self.build_step(mode, {row: x.shape[0] for row, x in inputs.items()}, **pad)
-        out = self.forward(self.pack_inputs(step, inputs.values()), step)
+        keyword arguments of :meth:`build_step`. If the step fails (the forward validates before it
+        writes anything), no request is extended."""
+        self._check_inputs(inputs)
+        with self.allocator.transaction():
+            step = self.build_step(mode, {row: x.shape[0] for row, x in inputs.items()}, **pad)
+            out = self.forward(self.pack_inputs(step, inputs.values()), step)
         result, lo = {}, 0
         for row, x in inputs.items():
             result[row] = out[lo:lo + x.shape[0]].clone()
             lo += x.shape[0]
         return result
 
+    def _check_inputs(self, inputs: Mapping[int, torch.Tensor]) -> None:
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"inputs must be a mapping of request row to hidden states, "
+                            f"got {type(inputs).__name__}")
+        hidden = self.stack.config.hidden_size
+        for row, x in inputs.items():
+            name = f"inputs[{row}]"
+            if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
+                raise TypeError(f"{name} must be a bfloat16 Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+            if x.device != self.device:
+                raise ValueError(f"{name} is on {x.device}, the cache is on {self.device}")
+            if x.dim() != 2 or x.shape[1] != hidden:
+                raise ValueError(f"{name} has shape {tuple(x.shape)}, expected (n, {hidden})")
+
     def idle(self, num_tokens: int = 1) -> torch.Tensor:
         """A step with no request: every row is padding. Returns the (throw-away) outputs."""
-        step = StepInputs.idle(num_tokens, device=self.device)
+        step = StepInputs.idle(check_count("num_tokens", num_tokens), device=self.device)
         return self.forward(self.pack_inputs(step, ()), step).clone()

@@ -87,22 +87,40 @@ class StepInputs:
     @classmethod
     def make(cls, mode: ForwardMode, req_rows, seq_lens, extend_lens, out_cache_loc, *,
              num_tokens: int | None = None, device=None) -> "StepInputs":
-        """Build from Python sequences or tensors, padding ``out_cache_loc`` with 0 to
-        ``num_tokens`` rows (a bucket size) when given."""
-        def i32(v):
-            return torch.as_tensor(v, dtype=torch.int32, device=device).reshape(-1)
-        loc = torch.as_tensor(out_cache_loc, dtype=torch.int64, device=device).reshape(-1)
+        """Build from Python sequences or tensors of integers, padding ``out_cache_loc`` with 0 to
+        ``num_tokens`` rows (a bucket size) when given. A mode that is not a ``ForwardMode``,
+        non-integer values or per-request lists of different lengths raise, naming the argument."""
+        if not isinstance(mode, ForwardMode):
+            raise TypeError(f"mode must be a ForwardMode, got {type(mode).__name__}")
+        per_request = {name: _index_vector(name, v, torch.int32, device) for name, v in
+                       (("req_rows", req_rows), ("seq_lens", seq_lens), ("extend_lens", extend_lens))}
+        if len({t.shape[0] for t in per_request.values()}) > 1:
+            raise ValueError(f"req_rows, seq_lens and extend_lens need the same length, got "
+                             f"{[t.shape[0] for t in per_request.values()]}")
+        loc = _index_vector("out_cache_loc", out_cache_loc, torch.int64, device)
         if num_tokens is not None:
+            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+                raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
             if num_tokens < loc.shape[0]:
                 raise ValueError(f"num_tokens={num_tokens} is less than the {loc.shape[0]} real tokens")
             loc = torch.cat([loc, loc.new_zeros(num_tokens - loc.shape[0])])
-        return cls(mode, i32(req_rows), i32(seq_lens), i32(extend_lens), loc)
+        return cls(mode, *per_request.values(), loc)
 
     @classmethod
     def idle(cls, num_tokens: int = 0, device=None) -> "StepInputs":
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return cls(ForwardMode.IDLE, empty, empty, empty,
                    torch.zeros(num_tokens, dtype=torch.int64, device=device))
+
+
+def _index_vector(name: str, values, dtype: torch.dtype, device) -> torch.Tensor:
+    """``values`` (integers: a sequence, a scalar or a 0-d / 1-D tensor) as a 1-D ``dtype`` tensor."""
+    t = torch.as_tensor(values, device=device)
+    if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
+        raise TypeError(f"{name} must hold integers, got {t.dtype}")
+    if t.dim() > 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    return t.to(dtype).reshape(-1)
 
 
 pytree.register_pytree_node(

@@ -1,9 +1,10 @@
-"""Eager validation of a step at the public boundary, before anything is written.
+"""Eager validation at the public boundary, before anything is written.
 
-:meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>` calls it on
-every eager call (unless ``validate=False``). It reads values on the host, so a compiled step
-never runs it: there only the ops' own shape / dtype checks apply (at trace time), and the values
-in a step's tensors are not checked.
+:meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>` calls
+:func:`validate_step` on every eager call (unless ``validate=False``). It reads values on the
+host, so a compiled step never runs it: there only the ops' own shape / dtype checks apply (at
+trace time), and the values in a step's tensors are not checked. :func:`check_count` is the
+check of the allocator's and the engine's token counts and rows.
 """
 
 from __future__ import annotations
@@ -15,61 +16,77 @@ from .config import PAGE_SIZE, DSV4AttnConfig
 from .step import ForwardMode, StepInputs
 
 _INT = (torch.int32, torch.int64)
+_STEP_TENSORS = ("req_rows", "seq_lens", "extend_lens", "out_cache_loc")
+
+
+def check_count(name: str, value) -> int:
+    """``value`` as a non-negative Python int (a bool, float or tensor is refused by name)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"{name}={value} must be >= 0")
+    return value
 
 
 def _fail(name: str, why: str) -> None:
     raise ValueError(f"step.{name}: {why}")
 
 
-def _check_dtype(name: str, t: torch.Tensor, dtypes) -> None:
+def _check_index_tensor(name: str, t, device: torch.device) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"step.{name} must be a Tensor, got {type(t).__name__}")
-    if t.dtype not in dtypes:
-        raise TypeError(f"step.{name} must be one of {dtypes}, got {t.dtype}")
+    if t.dtype not in _INT:
+        raise TypeError(f"step.{name} must be one of {_INT}, got {t.dtype}")
     if t.dim() != 1:
         _fail(name, f"must be 1-D, got shape {tuple(t.shape)}")
+    if t.device != device:
+        _fail(name, f"is on {t.device}, the cache is on {device}")
+
+
+def _check_x(config: DSV4AttnConfig, cache: DSV4Cache, x, num_tokens: int) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a bfloat16 Tensor, got {type(x).__name__}")
+    if x.device != cache.device:
+        raise ValueError(f"x is on {x.device}, the cache is on {cache.device}")
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"x must be a bfloat16 Tensor, got {x.dtype}")
+    if x.dim() != 2 or x.shape != (num_tokens, config.hidden_size):
+        raise ValueError(f"x has shape {tuple(x.shape)}, expected ({num_tokens}, {config.hidden_size}) "
+                         "(one row per out_cache_loc entry)")
 
 
 def validate_step(config: DSV4AttnConfig, cache: DSV4Cache, x: torch.Tensor, step: StepInputs) -> None:
-    """Check ``x [T, hidden] bf16`` and ``step`` against the cache; raise ValueError/TypeError
-    naming the offending argument."""
+    """Check ``x [T, hidden] bf16`` and ``step`` against the cache and its index maps; raise
+    ValueError / TypeError naming the offending argument. Reads nothing but the step, ``x``'s
+    metadata and ``req_to_token``; writes nothing."""
     if not isinstance(step, StepInputs):
         raise TypeError(f"step must be a StepInputs, got {type(step).__name__}")
-    if not isinstance(x, torch.Tensor) or x.dtype != torch.bfloat16:
-        raise TypeError(f"x must be a bfloat16 Tensor, got {getattr(x, 'dtype', type(x).__name__)}")
-    t = step.num_tokens
-    if x.dim() != 2 or x.shape != (t, config.hidden_size):
-        raise ValueError(f"x has shape {tuple(x.shape)}, expected ({t}, {config.hidden_size}) "
-                         "(one row per out_cache_loc entry)")
-    for name in ("req_rows", "seq_lens", "extend_lens"):
-        _check_dtype(name, getattr(step, name), _INT)
-    _check_dtype("out_cache_loc", step.out_cache_loc, _INT)
+    if not isinstance(step.mode, ForwardMode):
+        raise TypeError(f"step.mode must be a ForwardMode, got {type(step.mode).__name__}")
+    for name in _STEP_TENSORS:
+        _check_index_tensor(name, getattr(step, name), cache.device)
+    _check_x(config, cache, x, step.num_tokens)
     b = step.batch_size
     if step.seq_lens.shape[0] != b or step.extend_lens.shape[0] != b:
         _fail("seq_lens", f"req_rows, seq_lens and extend_lens need the same length, got "
                           f"{b}, {step.seq_lens.shape[0]}, {step.extend_lens.shape[0]}")
-    for name, tensor in zip(("req_rows", "seq_lens", "extend_lens", "out_cache_loc"), step.tensors()):
-        if tensor.device != cache.device:
-            _fail(name, f"is on {tensor.device}, the cache is on {cache.device}")
     if step.mode is ForwardMode.IDLE and b:
         _fail("req_rows", "must be empty in IDLE mode")
     if step.mode is ForwardMode.DRAFT_EXTEND and any(config.compress_ratios):
         _fail("mode", "DRAFT_EXTEND is for SWA-only (draft) stacks; this stack has compressed layers")
-    _check_values(cache, step)
+    positions = _check_requests(config, cache, step)
+    _check_slots(cache, step.out_cache_loc.tolist(), positions)
 
 
-def _check_values(cache: DSV4Cache, step: StepInputs) -> None:
+def _check_requests(config: DSV4AttnConfig, cache: DSV4Cache, step: StepInputs) -> list[tuple[int, int]]:
+    """Per-request checks; returns the (request row, position) of every real token row, in order."""
     rows, seqs, exts = (v.tolist() for v in (step.req_rows, step.seq_lens, step.extend_lens))
-    loc = step.out_cache_loc.tolist()
-    total = sum(exts)
-    if total > len(loc):
-        _fail("out_cache_loc", f"has {len(loc)} rows but extend_lens sum to {total}")
+    if sum(exts) > step.num_tokens:
+        _fail("out_cache_loc", f"has {step.num_tokens} rows but extend_lens sum to {sum(exts)}")
     live = [r for r in rows if r != 0]
     if len(set(live)) != len(live):
         _fail("req_rows", f"a request row appears twice: {rows}")
-    capacity = cache.num_full_pages * PAGE_SIZE
-    req_to_token = cache.req_to_token
-    pos_rows, pos_cols = [], []
+    positions = []
     for b, (row, seq, ext) in enumerate(zip(rows, seqs, exts)):
         if not 0 <= row <= cache.max_requests:
             _fail("req_rows", f"[{b}]={row} outside [0, {cache.max_requests}]")
@@ -79,19 +96,35 @@ def _check_values(cache: DSV4Cache, step: StepInputs) -> None:
             _fail("seq_lens", f"[{b}]={seq} exceeds the cache's max_seq_len {cache.max_seq_len}")
         if step.mode is ForwardMode.DECODE and ext not in (0, 1):
             _fail("extend_lens", f"[{b}]={ext}: decode processes one token per request")
+        if step.mode is ForwardMode.TARGET_VERIFY and ext > config.max_draft_tokens:
+            _fail("extend_lens", f"[{b}]={ext}: a verify step takes at most max_draft_tokens="
+                                 f"{config.max_draft_tokens} tokens per request (the compressor rings "
+                                 "hold no more)")
         if row == 0 and ext:
             _fail("req_rows", f"[{b}] is the dummy row 0 but has {ext} tokens")
-        pos_rows += [row] * ext
-        pos_cols += range(seq - ext, seq)
+        positions += [(row, p) for p in range(seq - ext, seq)]
+    return positions
+
+
+def _check_slots(cache: DSV4Cache, loc: list[int], positions: list[tuple[int, int]]) -> None:
+    """``out_cache_loc`` holds, on each real row, the slot ``req_to_token`` gives its (request row,
+    position) — a non-zero slot, so the position is allocated to a live request — and 0 on the
+    padding rows after them."""
+    capacity = cache.num_full_pages * PAGE_SIZE
     for i, slot in enumerate(loc):
         if not 0 <= slot < capacity:
             _fail("out_cache_loc", f"[{i}]={slot} outside the full pool [0, {capacity})")
-        if i >= total and slot != 0:
+        if i >= len(positions) and slot != 0:
             _fail("out_cache_loc", f"[{i}]={slot}: padding rows must hold the dummy slot 0")
-    if total:
-        expect = req_to_token[torch.tensor(pos_rows, device=cache.device),
-                              torch.tensor(pos_cols, device=cache.device)].tolist()
-        for i, (got, want) in enumerate(zip(loc, expect)):
-            if got != want:
-                _fail("out_cache_loc", f"[{i}]={got} but req_to_token maps that position to {want} "
-                                       "(allocate tokens with PageAllocator.extend)")
+    if not positions:
+        return
+    index = torch.tensor(positions, device=cache.device).t()
+    expect = cache.req_to_token[index[0], index[1]].tolist()
+    for i, ((row, pos), got, want) in enumerate(zip(positions, loc, expect)):
+        if want == 0:
+            _fail("out_cache_loc", f"[{i}]={got}: position {pos} of request row {row} is not allocated "
+                                   "(a freed or never-admitted row, or a position past its length; "
+                                   "allocate tokens with PageAllocator.extend)")
+        if got != want:
+            _fail("out_cache_loc", f"[{i}]={got} but req_to_token maps that position to {want} "
+                                   "(allocate tokens with PageAllocator.extend)")

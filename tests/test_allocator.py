@@ -1,10 +1,13 @@
-"""Host-side page allocator: page-aligned slots, index maps, SWA eviction, truncate, free."""
+"""Host-side page allocator: page-aligned slots, index maps, SWA eviction, truncate, free, and
+all-or-nothing steps (the engine's, and nested transactions)."""
 
 import pytest
 import torch
 
-from dsv4_compile import DSV4AttnConfig, DSV4Cache, OutOfPagesError, PageAllocator
+from dsv4_compile import DSV4AttentionStack, DSV4AttnConfig, DSV4Cache, ForwardMode, OutOfPagesError, PageAllocator
+from dsv4_compile.engine import Engine
 from dsv4_compile.reference.metadata import page_map
+from tests.support.cache_checks import allocator_state, assert_unchanged, snapshot
 
 CFG = DSV4AttnConfig.from_name("tiny").with_(compress_ratios=(0,))
 
@@ -144,3 +147,88 @@ def test_counts_must_be_ints(bad):
     with pytest.raises(TypeError, match="num_tokens must be an int"):
         alloc.extend(a, bad)
     assert alloc.seq_len(a) == 0 and torch.all(cache.req_to_token == 0)
+
+
+def _engine_with_evictable_page(num_full_pages=6, num_swa_pages=5):
+    """An engine whose request ``a`` holds 400 tokens: its first SWA page left every future window
+    but is only evicted by its next extend. Returns ``(engine, a, b)`` with ``b`` admitted, empty."""
+    cache = DSV4Cache(CFG, max_requests=3, max_seq_len=1024, num_full_pages=num_full_pages,
+                      num_swa_pages=num_swa_pages)
+    engine = Engine(DSV4AttentionStack(CFG, cache).reset_parameters(0))
+    a, b = engine.admit(), engine.admit()
+    engine.allocator.extend(a, 400)
+    return engine, a, b
+
+
+def test_failed_step_leaves_allocator_and_maps_unchanged():
+    """Request a's extend succeeds (evicting its dead SWA page, taking a page), then b's does not
+    fit: a is rolled back too, byte for byte."""
+    engine, a, b = _engine_with_evictable_page()
+    before, state = snapshot(engine.stack.cache), allocator_state(engine.allocator)
+    with pytest.raises(OutOfPagesError, match=f"request {b}"):
+        engine.build_step(ForwardMode.EXTEND, {a: 200, b: 700})
+    assert_unchanged(before, engine.stack.cache, "a failed build_step")
+    assert allocator_state(engine.allocator) == state
+    engine.build_step(ForwardMode.EXTEND, {a: 200, b: 200})  # what fits still fits
+
+
+@pytest.mark.parametrize("bad", ["count", "row", "mode"])
+def test_step_with_a_bad_later_request_extends_nothing(bad):
+    engine, a, b = _engine_with_evictable_page()
+    tokens = {a: 3, b: 2.0} if bad == "count" else {a: 3, 7: 2} if bad == "row" else {a: 3, b: 2}
+    mode = "extend" if bad == "mode" else ForwardMode.EXTEND
+    before, state = snapshot(engine.stack.cache), allocator_state(engine.allocator)
+    with pytest.raises((TypeError, ValueError)):
+        engine.build_step(mode, tokens)
+    assert_unchanged(before, engine.stack.cache, "a failed build_step")
+    assert allocator_state(engine.allocator) == state
+
+
+def test_run_whose_forward_fails_extends_nothing():
+    engine, a, b = _engine_with_evictable_page()
+    before, state = snapshot(engine.stack.cache), allocator_state(engine.allocator)
+
+    def failing_forward(x, step):
+        raise RuntimeError("forward failed")
+    engine.forward = failing_forward
+    x = torch.zeros(2, CFG.hidden_size, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="forward failed"):
+        engine.run(ForwardMode.EXTEND, {a: x[:1], b: x})
+    assert_unchanged(before, engine.stack.cache, "a failed run")
+    assert allocator_state(engine.allocator) == state
+
+
+def test_extend_that_does_not_fit_evicts_nothing():
+    """The dead SWA page counts as free for the capacity check, but a refused extend keeps it."""
+    engine, a, b = _engine_with_evictable_page(num_full_pages=5, num_swa_pages=4)
+    alloc, cache = engine.allocator, engine.stack.cache
+    alloc.extend(b, 256)  # one full page left, no SWA page but a's dead one
+    before, state = snapshot(cache), allocator_state(alloc)
+    with pytest.raises(OutOfPagesError):
+        alloc.extend(a, 400)  # two more full pages
+    assert_unchanged(before, cache, "a refused extend")
+    assert allocator_state(alloc) == state
+    alloc.extend(a, 200)  # one full and one SWA page: the dead one, evicted first
+    assert alloc.free_swa_pages == 0 and alloc.free_full_pages == 0 and alloc.seq_len(a) == 600
+
+
+def test_transactions_nest():
+    cache, alloc = _alloc()
+    a = alloc.admit()
+    alloc.extend(a, 10)
+    outer_before = snapshot(cache)
+    with pytest.raises(RuntimeError, match="outer"):
+        with alloc.transaction():
+            alloc.extend(a, 5)
+            inner_before, inner_state = snapshot(cache), allocator_state(alloc)
+            with pytest.raises(RuntimeError, match="inner"):
+                with alloc.transaction():
+                    alloc.extend(a, 300)
+                    raise RuntimeError("inner")
+            assert_unchanged(inner_before, cache, "a rolled-back inner transaction")
+            assert allocator_state(alloc) == inner_state and alloc.seq_len(a) == 15
+            with alloc.transaction():
+                alloc.extend(a, 1)  # kept by the inner block, undone by the outer one
+            raise RuntimeError("outer")
+    assert_unchanged(outer_before, cache, "a rolled-back outer transaction")
+    assert alloc.seq_len(a) == 10

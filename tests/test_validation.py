@@ -59,6 +59,64 @@ def test_bad_step_is_rejected_and_cache_untouched(engine, corrupt, exc, match):
     assert all(torch.equal(before[k], after[k]) for k in before)
 
 
+def _assert_rejected(engine, x, step, exc, match):
+    """``engine.stack(x, step)`` raises ``exc`` matching ``match`` and writes nothing."""
+    before = snapshot(engine.stack.cache)
+    with pytest.raises(exc, match=match):
+        engine.stack(x, step)
+    after = snapshot(engine.stack.cache)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def _x(num_tokens, device="cpu"):
+    return torch.randn(num_tokens, TINY.hidden_size, dtype=torch.bfloat16, device=device)
+
+
+@pytest.mark.parametrize("slots", ["zero", "stale"])
+def test_step_on_a_freed_row_is_rejected(engine, slots):
+    """The freed row's pages go to the next request; a late step on the freed row, with its old
+    slots or with the dummy slot 0, must not reach them."""
+    a = engine.allocator.active_rows[0]
+    loc = engine.allocator.extend(a, 1)
+    b = engine.admit()
+    engine.release(a)
+    engine.allocator.extend(b, 41)
+    assert engine.stack.cache.req_to_token[b, 40] == loc  # b now owns the slot a's step would write
+    step = StepInputs.make(ForwardMode.DECODE, [a], [41], [1], loc if slots == "stale" else [0])
+    _assert_rejected(engine, _x(1), step, ValueError, r"step\.out_cache_loc")
+
+
+def test_step_on_a_never_admitted_row_is_rejected(engine):
+    step = StepInputs.make(ForwardMode.EXTEND, [2], [3], [3], [0, 0, 0])
+    _assert_rejected(engine, _x(3), step, ValueError, "position 0 of request row 2 is not allocated")
+
+
+def test_step_at_an_unallocated_position_is_rejected(engine):
+    """Position 40 of the request was never allocated (its length is 40): slot 0 there is refused."""
+    row = engine.allocator.active_rows[0]
+    step = StepInputs.make(ForwardMode.DECODE, [row], [41], [1], [0])
+    _assert_rejected(engine, _x(1), step, ValueError, "position 40 of request row 1 is not allocated")
+
+
+def test_verify_step_longer_than_max_draft_tokens_is_rejected(engine):
+    row = engine.allocator.active_rows[0]
+    n = TINY.max_draft_tokens + 1
+    loc = engine.allocator.extend(row, n)
+    step = StepInputs.make(ForwardMode.TARGET_VERIFY, [row], [40 + n], [n], loc)
+    _assert_rejected(engine, _x(n), step, ValueError, r"step\.extend_lens.*max_draft_tokens=4")
+
+
+def test_x_on_another_device_is_named(engine):
+    x, step = _good_decode(engine)
+    _assert_rejected(engine, x.to("meta"), step, ValueError, "x is on meta, the cache is on cpu")
+
+
+def test_mode_must_be_a_forward_mode(engine):
+    x, step = _good_decode(engine)
+    bad = StepInputs("decode", *step.tensors())
+    _assert_rejected(engine, x, bad, TypeError, r"step\.mode must be a ForwardMode")
+
+
 def test_allocator_rejects_beyond_capacity_without_changes(engine):
     row = engine.allocator.active_rows[0]
     before = snapshot(engine.stack.cache)

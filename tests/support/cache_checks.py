@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_compile import DSV4Cache
+from dsv4_compile import DSV4Cache, PageAllocator
 from dsv4_compile.engine import Engine
 
 
@@ -16,6 +16,20 @@ def assert_caches_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
 def snapshot(cache: DSV4Cache) -> dict[str, torch.Tensor]:
     """A copy of every buffer of ``cache`` (pools, compressor rings, index maps), by name."""
     return {name: buf.clone() for name, buf in cache.state_dict().items()}
+
+
+def assert_unchanged(before: dict[str, torch.Tensor], cache: DSV4Cache, what: str = "the call") -> None:
+    """Every buffer of ``cache`` is byte-identical to its ``snapshot`` ``before``."""
+    for name, buf in cache.state_dict().items():
+        assert torch.equal(before[name], buf), f"{what} changed cache buffer {name}"
+
+
+def allocator_state(allocator: PageAllocator) -> tuple:
+    """Everything a :class:`PageAllocator` decides from, as a comparable value: each request's
+    length, longest length and pages, and the free rows and pages in hand-out order."""
+    requests = tuple((row, r.seq_len, r.high_water, tuple(r.full_pages), tuple(sorted(r.swa_pages.items())))
+                     for row, r in sorted(allocator._requests.items()))
+    return requests, tuple(allocator._free_rows), tuple(allocator._free_full), tuple(allocator._free_swa)
 
 
 def _dummy_rows(cache: DSV4Cache) -> dict[str, int]:
