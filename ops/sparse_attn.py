@@ -23,7 +23,7 @@ import torch
 from ..attention import KVSet, from_op_args
 from ..config import HEAD_DIM, INDEX_ALIGN
 from ..reference import sparse_attn as ref
-from ._checks import INDEX_DTYPES, check_multiple_of, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_multiple_of, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 from .kv_cache import check_model1_cache
 
@@ -55,6 +55,9 @@ def _check_sparse_attn(*args) -> None:
     _check_kv_set("swa", swa, q.shape[0])
     if extra is not None:
         _check_kv_set("extra", extra, q.shape[0])
+    lists = {f"{which}_{part}": getattr(kv, part) for which, kv in (("swa", swa), ("extra", extra))
+             if kv is not None for part in ("cache", "indices", "lengths")}
+    check_devices(_OP, q=q, **lists, attn_sink=attn_sink)
 
 
 def _check_flashmla_heads(q: torch.Tensor) -> None:

@@ -109,7 +109,7 @@ def test_sparse_attn(state, extra, sink):
 
 
 def _calls(state) -> dict[str, tuple]:
-    """One valid call of every op of this library but ``sparse_attn``: op name -> arguments."""
+    """One valid call of every op of this library: op name -> arguments."""
     eng, cache, steps, metas = state
     step, meta, lc, layer = steps["decode"], metas["decode"], cache.layers[1], eng.stack.layers[1]
     comp = layer.compressor
@@ -134,15 +134,19 @@ def _calls(state) -> dict[str, tuple]:
                         comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps),
         "indexer_prepare_q": (torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1),
         "indexer_topk": (q_fp8, w, lc.index_k, meta.page_table, meta.c4_visible, 64),
+        "sparse_attn": op_args(torch.randn(t, TINY.num_heads, 512).bfloat16(),
+                               KVSet(cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths),
+                               KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
+                               torch.zeros(TINY.num_heads), TINY.softmax_scale),
     }
 
 
-OPS_WITHOUT_ATTENTION = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
-                         "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k",
-                         "compress_kv", "indexer_prepare_q", "indexer_topk"]
+ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
+           "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
+           "indexer_prepare_q", "indexer_topk", "sparse_attn"]
 
 
-@pytest.mark.parametrize("op_name", OPS_WITHOUT_ATTENTION)
+@pytest.mark.parametrize("op_name", ALL_OPS)
 def test_tensor_on_another_device_is_named(state, op_name):
     """Each tensor argument in turn on ``meta`` (the others on the CPU): a ValueError naming the op
     and that argument, before anything runs."""
