@@ -63,7 +63,7 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
 
 
 def compile_step(stack: DSV4AttentionStack, *, mode: str | None = None, options: Mapping[str, Any] | None = None,
-                 backend: str | Callable = "inductor", dynamic: bool | None = True, fullgraph: bool = True,
+                 backend: str | Callable | None = "inductor", dynamic: bool | None = True, fullgraph: bool = True,
                  cuda_graphs: bool | None = None, passes: DSV4PassManager | None = None,
                  device_checks: bool | None = None, **kwargs) -> "CompiledStep":
     """``step_fn(x, step)``: ``stack``'s step compiled as one graph.
@@ -79,6 +79,7 @@ def compile_step(stack: DSV4AttentionStack, *, mode: str | None = None, options:
     single-threaded (``cpp.threads=1``): a failed check throws inside a kernel, and from an
     OpenMP parallel region that terminates the process instead of raising."""
     checks = ENABLED_BY_ENV if device_checks is None else device_checks
+    backend = backend or "inductor"  # torch.compile's default
     if backend == "inductor":
         if checks and stack.cache.device.type == "cpu":  # a failed check must raise, not terminate
             options = {"cpp.threads": 1, **(options or {})}

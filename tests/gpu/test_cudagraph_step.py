@@ -1,12 +1,14 @@
 """Whole steps as CUDA graphs under torch.compile — no hand-written graph bookkeeping.
 
-Two compiled variants of the same stack run a long serving scenario beside an eager twin:
+Compiled variants of the same stack (all through compile_step, under torch's default Dynamo
+config) run a long serving scenario beside an eager twin:
 
 * ``backend="cudagraphs"`` (eager kernels + CUDA-graph trees, one static graph per bucket: that
   backend does not re-key graphs on dynamic sizes): must equal eager bit for bit — outputs and
   every cache byte — after every step, so any stale metadata on replay would show;
-* ``mode="reduce-overhead"`` (Inductor + CUDA-graph trees): Inductor's fused projections round
-  differently from eager, so every step is checked against the cache-free oracle instead.
+* ``mode="reduce-overhead"`` (Inductor + CUDA-graph trees), with and without the dsv4 passes:
+  Inductor's fused projections round differently from eager, so every step is checked against
+  the cache-free oracle instead.
 
 Requests join, grow across page (256) and compression (4, 128) boundaries, verify drafts
 (uniform D = 2..4 and ragged), go idle and leave; batches are padded to buckets, the only
@@ -21,8 +23,10 @@ import torch
 from torch._dynamo.utils import counters
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
-from dsv4_compile.compile import compile_step
+from dsv4_compile.compile import MAX_FRAMES, compile_step
+from dsv4_compile.fx_passes import DSV4PassManager
 from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.compile.serving_mix import ShapeLog, run_draft_mix, run_target_mix
 from tests.support.cache_checks import assert_caches_equal, assert_idle_step_is_inert
 from tests.support.compile_checks import fresh_compile_state, graph_breaks
 from tests.support.oracle_asserts import assert_outputs_match
@@ -119,20 +123,21 @@ def _run(eager_pair, compiled_pair, check_exact: bool):
 @pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False), ("compile_step", False)])
 @torch.no_grad()
 def test_long_run_as_cuda_graphs(backend, exact):
+    """Through compile_step under torch's default recompile limit: the cudagraphs backend with
+    dynamic=False (one frame per distinct padded shape: 7 in this scenario), reduce-overhead
+    without the dsv4 passes, and compile_step as served."""
     eager, eager_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
     eager.bucketed = True
     compiled, compiled_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE,
                                          capture_layers=False)
     compiled.bucketed = True
-    with fresh_compile_state(), _count_recordings() as recordings, \
-            torch._dynamo.config.patch(recompile_limit=64, accumulated_recompile_limit=256):
+    with fresh_compile_state(), _count_recordings() as recordings:
         if backend == "cudagraphs":
-            compiled.forward = torch.compile(compiled.stack, backend="cudagraphs", fullgraph=True,
-                                             dynamic=False)
+            compiled.forward = compile_step(compiled.stack, backend="cudagraphs", dynamic=False)
         elif backend == "compile_step":  # + the dsv4 FX passes (fused metadata)
             compiled.forward = compile_step(compiled.stack)
         else:
-            compiled.forward = torch.compile(compiled.stack, mode="reduce-overhead", fullgraph=True)
+            compiled.forward = compile_step(compiled.stack, mode="reduce-overhead", passes=DSV4PassManager([]))
         compiled.forward = _no_sync_after(compiled.forward, first_checked_call=36)
         names = _run((eager, eager_rec), (compiled, compiled_rec), exact)
         assert graph_breaks() == 0
@@ -142,6 +147,31 @@ def test_long_run_as_cuda_graphs(backend, exact):
     # the compiled engine also agrees with the cache-free oracle at the end
     out = compiled_rec.run(M.DECODE, {names["a"][1]: 1, names["c"][1]: 1})
     assert_outputs_match(compiled_rec, out)
+
+
+@torch.no_grad()
+def test_serving_mix_with_reduce_overhead_under_default_config():
+    """The serving mix of tests/compile/serving_mix.py (every mode, batch 1 and bucketed sizes,
+    idle, a draft stack beside the target) through compile_step with CUDA graphs and torch's
+    default Dynamo config: every step matches the oracle, no graph break, no cudagraph skip, at
+    most MAX_FRAMES frames per stack and at most one recorded graph per distinct padded shape."""
+    assert torch._dynamo.config.recompile_limit == 8, "the test must run with torch's default limit"
+    draft_cfg = CFG.with_(compress_ratios=(0,))
+    with fresh_compile_state(), _count_recordings() as recordings:
+        shapes = 0
+        for config, mix in ((CFG, run_target_mix), (draft_cfg, run_draft_mix)):
+            eng, rec = make_engine(config, max_requests=4, max_seq_len=512, device=DEVICE, capture_layers=False)
+            eng.bucketed = True
+            graphs_before = counters["stats"]["unique_graphs"]
+            eng.forward = log = ShapeLog(compile_step(eng.stack))
+            mix(eng, rec, assert_outputs_match)
+            frames = counters["stats"]["unique_graphs"] - graphs_before
+            assert frames <= MAX_FRAMES, f"{frames} frames for the shape classes {sorted(log.classes())}"
+            shapes += len(set(log.shapes))
+        assert graph_breaks() == 0
+        assert counters["inductor"]["cudagraph_skips"] == 0
+        assert 0 < recordings.count <= shapes, f"{recordings.count} CUDA graphs for {shapes} distinct shapes"
+    print(f"recorded {recordings.count} CUDA graphs for {shapes} distinct padded shapes")
 
 
 @torch.no_grad()
