@@ -5,7 +5,7 @@ import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs, layout
 from dsv4_compile.testing.oracle_recorder import make_engine
-from tests.support.cache_checks import snapshot
+from tests.support.cache_checks import assert_unchanged, snapshot
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 ops = torch.ops.dsv4
@@ -26,6 +26,14 @@ def _good_decode(engine):
     seq = engine.allocator.seq_len(row)
     x = torch.randn(1, TINY.hidden_size, dtype=torch.bfloat16)
     return x, StepInputs.make(ForwardMode.DECODE, [row], [seq], [1], loc)
+
+
+def _assert_rejected(engine, x, step, exc, match):
+    """``engine.stack(x, step)`` raises ``exc`` matching ``match`` and writes nothing."""
+    before = snapshot(engine.stack.cache)
+    with pytest.raises(exc, match=match):
+        engine.stack(x, step)
+    assert_unchanged(before, engine.stack.cache, "a rejected step")
 
 
 @pytest.mark.parametrize("corrupt, exc, match", [
@@ -51,21 +59,7 @@ def _good_decode(engine):
                                  s.out_cache_loc)), ValueError, "DRAFT_EXTEND"),
 ])
 def test_bad_step_is_rejected_and_cache_untouched(engine, corrupt, exc, match):
-    x, step = corrupt(*_good_decode(engine))
-    before = snapshot(engine.stack.cache)
-    with pytest.raises(exc, match=match):
-        engine.stack(x, step)
-    after = snapshot(engine.stack.cache)
-    assert all(torch.equal(before[k], after[k]) for k in before)
-
-
-def _assert_rejected(engine, x, step, exc, match):
-    """``engine.stack(x, step)`` raises ``exc`` matching ``match`` and writes nothing."""
-    before = snapshot(engine.stack.cache)
-    with pytest.raises(exc, match=match):
-        engine.stack(x, step)
-    after = snapshot(engine.stack.cache)
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    _assert_rejected(engine, *corrupt(*_good_decode(engine)), exc, match)
 
 
 def _x(num_tokens, device="cpu"):

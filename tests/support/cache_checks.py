@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 from dsv4_compile import DSV4Cache, PageAllocator
@@ -13,15 +15,20 @@ def assert_caches_equal(a: torch.nn.Module, b: torch.nn.Module) -> None:
         assert torch.equal(x, y), f"cache buffer {name} differs ({(x != y).float().mean().item():.2%} of elements)"
 
 
-def snapshot(cache: DSV4Cache) -> dict[str, torch.Tensor]:
-    """A copy of every buffer of ``cache`` (pools, compressor rings, index maps), by name."""
-    return {name: buf.clone() for name, buf in cache.state_dict().items()}
+INDEX_MAPS = ("req_to_token", "req_to_page", "full_to_swa")
+
+
+def snapshot(cache: DSV4Cache, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+    """A copy of every buffer of ``cache`` (pools, compressor rings, index maps), by name; only
+    those of ``names`` when given."""
+    return {name: buf.clone() for name, buf in cache.state_dict().items() if names is None or name in names}
 
 
 def assert_unchanged(before: dict[str, torch.Tensor], cache: DSV4Cache, what: str = "the call") -> None:
-    """Every buffer of ``cache`` is byte-identical to its ``snapshot`` ``before``."""
-    for name, buf in cache.state_dict().items():
-        assert torch.equal(before[name], buf), f"{what} changed cache buffer {name}"
+    """Every buffer of ``cache`` in the ``snapshot`` ``before`` is byte-identical to it."""
+    buffers = cache.state_dict()
+    for name, old in before.items():
+        assert torch.equal(old, buffers[name]), f"{what} changed cache buffer {name}"
 
 
 def allocator_state(allocator: PageAllocator) -> tuple:
