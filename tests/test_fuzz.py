@@ -284,7 +284,7 @@ def test_metadata_kernels_fuzz_under_interpreter():
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 
-@settings(max_examples=18, **FUZZ)
+@settings(max_examples=40, **FUZZ)
 @given(data=st.data(), config=st.sampled_from([TARGET, DRAFT]))
 def test_serving_fuzz(data, config):
     """Two requests sharing two full and two SWA pages: a request's second page is refused while the
