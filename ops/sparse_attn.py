@@ -34,30 +34,36 @@ if HAS_TRITON:
 FLASHMLA_MAX_HEADS = 128
 IMPL_ENV = "DSV4_ATTN_IMPL"  # "flashmla" routes the CUDA kernel of dsv4::sparse_attn to FlashMLA
 _OP = "sparse_attn"
+_FLASHMLA_OP = "sparse_attn_flashmla"
 
 
-def _check_kv_set(which: str, kv: KVSet, rows: int) -> None:
-    check_model1_cache(_OP, f"{which}_cache", kv.cache, kv.page_size)
-    check_tensor(_OP, f"{which}_indices", kv.indices, dtypes=INDEX_DTYPES, ndim=2, shape=(rows, None))
-    check_multiple_of(_OP, f"{which}_indices.shape[1]", kv.indices.shape[1], INDEX_ALIGN)
-    check_tensor(_OP, f"{which}_lengths", kv.lengths, dtypes=INDEX_DTYPES, ndim=1, shape=(rows,))
+def _check_kv_set(op: str, which: str, kv: KVSet, rows: int) -> None:
+    check_model1_cache(op, f"{which}_cache", kv.cache, kv.page_size)
+    check_tensor(op, f"{which}_indices", kv.indices, dtypes=INDEX_DTYPES, ndim=2, shape=(rows, None))
+    check_multiple_of(op, f"{which}_indices.shape[1]", kv.indices.shape[1], INDEX_ALIGN)
+    check_tensor(op, f"{which}_lengths", kv.lengths, dtypes=INDEX_DTYPES, ndim=1, shape=(rows,))
+
+
+def _check_attn_args(op: str, args: tuple) -> None:
+    """Arguments of ``dsv4::<op>`` (``sparse_attn`` or its FlashMLA twin), as positionals
+    (``attention.op_args``); errors name ``op``."""
+    extras = (args[5], args[7], args[8])  # extra_cache, extra_indices, extra_lengths
+    if any(t is None for t in extras) and not all(t is None for t in extras):
+        raise ValueError(f"dsv4.{op}: extra_cache, extra_indices and extra_lengths must be given "
+                         "together (or all None for ratio-0 layers)")
+    q, swa, extra, attn_sink, _ = from_op_args(args)
+    check_tensor(op, "q", q, dtypes=(torch.bfloat16,), ndim=3, shape=(None, None, HEAD_DIM))
+    check_tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, shape=(q.shape[1],))
+    _check_kv_set(op, "swa", swa, q.shape[0])
+    if extra is not None:
+        _check_kv_set(op, "extra", extra, q.shape[0])
+    lists = {f"{which}_{part}": getattr(kv, part) for which, kv in (("swa", swa), ("extra", extra))
+             if kv is not None for part in ("cache", "indices", "lengths")}
+    check_devices(op, q=q, **lists, attn_sink=attn_sink)
 
 
 def _check_sparse_attn(*args) -> None:
-    """Arguments of the op, as positionals (``attention.op_args``)."""
-    extras = (args[5], args[7], args[8])  # extra_cache, extra_indices, extra_lengths
-    if any(t is None for t in extras) and not all(t is None for t in extras):
-        raise ValueError(f"dsv4.{_OP}: extra_cache, extra_indices and extra_lengths must be given "
-                         "together (or all None for ratio-0 layers)")
-    q, swa, extra, attn_sink, _ = from_op_args(args)
-    check_tensor(_OP, "q", q, dtypes=(torch.bfloat16,), ndim=3, shape=(None, None, HEAD_DIM))
-    check_tensor(_OP, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, shape=(q.shape[1],))
-    _check_kv_set("swa", swa, q.shape[0])
-    if extra is not None:
-        _check_kv_set("extra", extra, q.shape[0])
-    lists = {f"{which}_{part}": getattr(kv, part) for which, kv in (("swa", swa), ("extra", extra))
-             if kv is not None for part in ("cache", "indices", "lengths")}
-    check_devices(_OP, q=q, **lists, attn_sink=attn_sink)
+    _check_attn_args(_OP, args)
 
 
 def _check_flashmla_heads(q: torch.Tensor) -> None:
@@ -67,8 +73,8 @@ def _check_flashmla_heads(q: torch.Tensor) -> None:
 
 
 def _check_flashmla(*args) -> None:
-    """``_check_sparse_attn``, and a head count FlashMLA supports (in the fake too: fails at trace time)."""
-    _check_sparse_attn(*args)
+    """``_check_attn_args``, and a head count FlashMLA supports (in the fake too: fails at trace time)."""
+    _check_attn_args(_FLASHMLA_OP, args)
     _check_flashmla_heads(args[0])
 
 
@@ -106,5 +112,5 @@ _SCHEMA = torch.library.infer_schema(_reference, mutates_args=())
 sparse_attn = dsv4_op(_OP, check=_check_sparse_attn, fake=_attn_fake, cuda=_sparse_attn_cuda,
                       schema=_SCHEMA)(_reference)
 # the same op computed by FlashMLA (H <= 128): same signature, outputs and semantics
-sparse_attn_flashmla = dsv4_op("sparse_attn_flashmla", check=_check_flashmla, fake=_attn_fake,
+sparse_attn_flashmla = dsv4_op(_FLASHMLA_OP, check=_check_flashmla, fake=_attn_fake,
                                device_types="cuda", schema=_SCHEMA)(_flashmla)
