@@ -65,11 +65,17 @@ class Compressor(nn.Module):
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor, ring: int,
                 inv_freq: torch.Tensor) -> torch.Tensor:
-        """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``."""
-        kv, score = self.project(x)
-        return torch.ops.dsv4.compress_kv(state, kv, score, self.ape, meta.req_of_row, meta.seq_lens_causal,
-                                          meta.extend_start, meta.extend_end, self.norm, inv_freq, self.ratio,
-                                          ring, self.rotate, self.eps)
+        return compress_rows(self, x, meta, state, ring, inv_freq)
+
+
+def compress_rows(comp, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor, ring: int,
+                  inv_freq: torch.Tensor) -> torch.Tensor:
+    """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``: ``comp`` is any
+    compressor exposing ``project(x)``, ``ape``, ``norm``, ``ratio``, ``rotate`` and ``eps``."""
+    kv, score = comp.project(x)
+    return torch.ops.dsv4.compress_kv(state, kv, score, comp.ape, meta.req_of_row, meta.seq_lens_causal,
+                                      meta.extend_start, meta.extend_end, comp.norm, inv_freq, comp.ratio,
+                                      ring, comp.rotate, comp.eps)
 
 
 class Indexer(nn.Module):
@@ -149,27 +155,40 @@ class DSV4Attention(nn.Module):
     # -- paged forward -------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
         """x: [T, hidden] bf16 -> [T, hidden] bf16; writes this step's entries into ``cache``."""
-        ops = torch.ops.dsv4
-        q, kv, q_lora = self.project_q_kv(x, meta.positions)
-        ops.store_kv(cache.swa_kv, meta.swa_out_loc, kv, PAGE_SIZE)
-        extra = None
-        if self.ratio == 4 and meta.c4_out_loc is not None:
-            idx = self.indexer
-            ik = idx.compressor(x, meta, cache.index_state, cache.ring, self.inv_freq)
-            ops.store_index_k(cache.index_k, meta.c4_out_loc, ik, layout.INDEX_PAGE_SIZE)
-            iq, iw = idx.project_q(x, q_lora)
-            q_fp8, w = ops.indexer_prepare_q(iq, iw, meta.positions, self.inv_freq, idx.weight_scale)
-            topk = ops.indexer_topk(q_fp8, w, cache.index_k, meta.page_table, meta.c4_visible, idx.topk)
-            entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
-            ops.store_kv(cache.extra_kv, meta.c4_out_loc, entries, cache.extra_page_size)
-            extra = KVSet(cache.extra_kv, cache.extra_page_size, topk, meta.c4_topk_lengths)
-        elif self.ratio == 128 and meta.c128_out_loc is not None:
-            entries = self.compressor(x, meta, cache.kv_state, cache.ring, self.inv_freq)
-            ops.store_kv(cache.extra_kv, meta.c128_out_loc, entries, cache.extra_page_size)
-            extra = KVSet(cache.extra_kv, cache.extra_page_size, meta.c128_indices, meta.c128_lengths)
-        swa = KVSet(cache.swa_kv, PAGE_SIZE, meta.swa_indices, meta.swa_lengths)
-        out, _ = sparse_attn(q, swa, extra, self.attn_sink, self.config.softmax_scale)
-        return self.output(out, meta.positions)
+        return paged_attention(self, x, meta, cache)
+
+
+def paged_attention(layer, x: torch.Tensor, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
+    """One attention layer over the paged cache: x [T, hidden] bf16 -> [T, hidden] bf16, writing
+    this step's entries into ``cache``.
+
+    ``layer`` is any object with the model-side math of :class:`DSV4Attention`: ``ratio``,
+    ``config``, ``inv_freq``, ``attn_sink``, ``project_q_kv``, ``output``, and for compressed
+    layers ``compressor`` (and ``indexer`` at ratio 4) with the attributes :func:`compress_rows`
+    and :class:`Indexer` use; :mod:`dsv4_compile.hf_layer` provides one over ``transformers``'
+    modules.
+    """
+    ops = torch.ops.dsv4
+    q, kv, q_lora = layer.project_q_kv(x, meta.positions)
+    ops.store_kv(cache.swa_kv, meta.swa_out_loc, kv, PAGE_SIZE)
+    extra = None
+    if layer.ratio == 4 and meta.c4_out_loc is not None:
+        idx = layer.indexer
+        ik = compress_rows(idx.compressor, x, meta, cache.index_state, cache.ring, layer.inv_freq)
+        ops.store_index_k(cache.index_k, meta.c4_out_loc, ik, layout.INDEX_PAGE_SIZE)
+        iq, iw = idx.project_q(x, q_lora)
+        q_fp8, w = ops.indexer_prepare_q(iq, iw, meta.positions, layer.inv_freq, idx.weight_scale)
+        topk = ops.indexer_topk(q_fp8, w, cache.index_k, meta.page_table, meta.c4_visible, idx.topk)
+        entries = compress_rows(layer.compressor, x, meta, cache.kv_state, cache.ring, layer.inv_freq)
+        ops.store_kv(cache.extra_kv, meta.c4_out_loc, entries, cache.extra_page_size)
+        extra = KVSet(cache.extra_kv, cache.extra_page_size, topk, meta.c4_topk_lengths)
+    elif layer.ratio == 128 and meta.c128_out_loc is not None:
+        entries = compress_rows(layer.compressor, x, meta, cache.kv_state, cache.ring, layer.inv_freq)
+        ops.store_kv(cache.extra_kv, meta.c128_out_loc, entries, cache.extra_page_size)
+        extra = KVSet(cache.extra_kv, cache.extra_page_size, meta.c128_indices, meta.c128_lengths)
+    swa = KVSet(cache.swa_kv, PAGE_SIZE, meta.swa_indices, meta.swa_lengths)
+    out, _ = sparse_attn(q, swa, extra, layer.attn_sink, layer.config.softmax_scale)
+    return layer.output(out, meta.positions)
 
 
 class DSV4AttentionStack(nn.Module):
@@ -199,16 +218,24 @@ class DSV4AttentionStack(nn.Module):
         autograd raises (:func:`require_inference`). ``device_checks`` adds checks
         of the step's tensors inside the step (:mod:`dsv4_compile.device_checks`; ``None``: on
         when ``DSV4_DEVICE_CHECKS=1`` was set at import)."""
-        if validate and not torch.compiler.is_compiling():
-            validate_step(self.config, self.cache, x, step)
-        require_inference(self, x)
-        if ENABLED_BY_ENV if device_checks is None else device_checks:
-            step = checked_step(self.cache, self.config.hidden_size, x, step)
-        meta = build_step_metadata(step, self.cache, self.config)
+        meta = prepare_step(self, self.cache, x, step, validate, device_checks)
         h = x
         for layer, layer_cache in zip(self.layers, self.cache.layers):
             h = h + layer(h, meta, layer_cache)
         return h
+
+
+def prepare_step(module: nn.Module, cache: DSV4Cache, x: torch.Tensor, step: StepInputs, validate: bool,
+                 device_checks: bool | None) -> StepMetadata:
+    """What every step does before its layers, for ``module`` (owning ``cache``) with layer inputs
+    ``x [T, hidden] bf16``: host validation of ``step`` (eager and ``validate`` only), the
+    inference-only check, the optional device checks, then the step metadata."""
+    if validate and not torch.compiler.is_compiling():
+        validate_step(cache.config, cache, x, step)
+    require_inference(module, x)
+    if ENABLED_BY_ENV if device_checks is None else device_checks:
+        step = checked_step(cache, cache.config.hidden_size, x, step)
+    return build_step_metadata(step, cache, cache.config)
 
 
 def require_inference(module: nn.Module, x: torch.Tensor) -> None:
