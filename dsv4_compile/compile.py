@@ -26,6 +26,7 @@ import torch
 from .device_checks import ENABLED_BY_ENV
 from .fx_passes import DSV4PassManager
 from .layer import DSV4AttentionStack, require_inference
+from .model import ModelBackend
 from .step import ForwardMode, StepInputs
 
 GRAPH_MODE = ForwardMode.EXTEND
@@ -62,11 +63,13 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
     return merged
 
 
-def compile_step(stack: DSV4AttentionStack, *, mode: str | None = None, options: Mapping[str, Any] | None = None,
+def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None = None, options: Mapping[str, Any] | None = None,
                  backend: str | Callable | None = "inductor", dynamic: bool | None = True, fullgraph: bool = True,
                  cuda_graphs: bool | None = None, passes: DSV4PassManager | None = None,
                  device_checks: bool | None = None, **kwargs) -> "CompiledStep":
-    """``step_fn(x, step)``: ``stack``'s step compiled as one graph.
+    """``step_fn(x, step)``: ``stack``'s step compiled as one graph. ``stack`` is an attention stack
+    or a model on the backend (:class:`~dsv4_compile.model.ModelBackend`, whose step is
+    ``step_fn(input_ids, step, logit_rows)``).
 
     Takes ``torch.compile``'s arguments: ``mode`` and ``options`` together (the mode's options,
     updated by ``options``; see :func:`compile_options`, which also adds ``cuda_graphs`` and
@@ -103,18 +106,19 @@ class CompiledStep:
     are overwritten by the next replay: clone what you keep.
     """
 
-    def __init__(self, stack: DSV4AttentionStack, compiled: Callable, device_checks: bool):
+    def __init__(self, stack: DSV4AttentionStack | ModelBackend, compiled: Callable, device_checks: bool):
         self.stack, self.compiled, self.device_checks = stack, compiled, device_checks
         self._compresses = any(stack.config.compress_ratios)
 
-    def __call__(self, x: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, step: StepInputs, *extra: torch.Tensor) -> torch.Tensor:
         require_inference(self.stack, x)
         if step.mode is ForwardMode.DRAFT_EXTEND and self._compresses:
             raise ValueError("step.mode: DRAFT_EXTEND is for SWA-only (draft) stacks; this stack has "
                              "compressed layers")
         if step.num_tokens == 0:
-            return torch.empty_like(x)
-        return self.compiled(self.stack, _plain(x), _graph_step(step), self.device_checks)
+            return self.stack.empty_output(x, *extra)
+        return self.compiled(self.stack, _plain(x), _graph_step(step), tuple(_plain(t) for t in extra),
+                             self.device_checks)
 
 
 def _graph_step(step: StepInputs) -> StepInputs:
@@ -132,8 +136,9 @@ def _plain(t: torch.Tensor) -> torch.Tensor:
     return t if t._base is None else t.detach()
 
 
-def _run_step(stack: DSV4AttentionStack, x: torch.Tensor, step: StepInputs, device_checks: bool) -> torch.Tensor:
-    return stack(x, step, device_checks=device_checks)
+def _run_step(stack: DSV4AttentionStack | ModelBackend, x: torch.Tensor, step: StepInputs,
+              extra: tuple[torch.Tensor, ...], device_checks: bool) -> torch.Tensor:
+    return stack(x, step, *extra, device_checks=device_checks)
 
 
 def _own_code(fn: types.FunctionType) -> types.FunctionType:

@@ -209,6 +209,10 @@ class DSV4AttentionStack(nn.Module):
             layer.reset_parameters(gen)
         return self
 
+    def empty_output(self, x: torch.Tensor) -> torch.Tensor:
+        """The output of a step with no rows (nothing is computed or written)."""
+        return torch.empty_like(x)
+
     def forward(self, x: torch.Tensor, step: StepInputs, validate: bool = True,
                 device_checks: bool | None = None) -> torch.Tensor:
         """x: [T, hidden] bf16 hidden states of the step's query rows -> [T, hidden] bf16.

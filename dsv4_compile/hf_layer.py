@@ -1,0 +1,93 @@
+"""The attention math of a ``transformers`` ``DeepseekV4Attention``, as the backend's layer protocol.
+
+:func:`dsv4_compile.layer.paged_attention` and the dense oracle read a layer through a few names
+(``project_q_kv``, ``output``, ``compressor``, ``indexer``, ``attn_sink``, ``inv_freq``, ...).
+:class:`HFAttention` provides them over the model's own modules: every projection and norm is a
+call of the module that holds the checkpoint weight (so quantised linears keep working), and no
+parameter is copied. Differences from ``transformers``' eager arithmetic (RoPE angles in fp32,
+compressor pooling in fp32, FP8 cache) are listed in docs/semantics.md §7.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import HEAD_DIM, INDEX_HEAD_DIM, DSV4AttnConfig
+from .reference.functional import rope_tail
+from .rope import layer_inv_freq
+
+
+class HFCompressor:
+    """A ``transformers`` compressor (``DeepseekV4CSACompressor`` / ``HCACompressor``, or the indexer,
+    which carries its own compressor weights) seen as the backend's compressor: entry dim ``d``."""
+
+    def __init__(self, module: nn.Module, d: int, ratio: int, rotate: bool, eps: float):
+        self.module, self.d, self.ratio, self.rotate, self.eps = module, d, ratio, rotate, eps
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(kv, score)`` fp32 ``[T, coff * d]`` of ``x [T, hidden]``: the module's own projections."""
+        return self.module.kv_proj(x).float(), self.module.gate_proj(x).float()
+
+    @property
+    def ape(self) -> torch.Tensor:
+        """``[ratio, coff * d]`` fp32 position bias."""
+        return self.module.position_bias.float()
+
+    @property
+    def norm(self) -> torch.Tensor:
+        """``[d]`` RMSNorm weight of the pooled entry."""
+        return self.module.kv_norm.weight
+
+
+class HFIndexer:
+    """A ``transformers`` ``DeepseekV4Indexer`` seen as the backend's lightning indexer."""
+
+    def __init__(self, module: nn.Module, config: DSV4AttnConfig):
+        self.module = module
+        self.n_heads, self.topk, self.weight_scale = config.index_n_heads, config.index_topk, config.index_weight_scale
+        self.compressor = HFCompressor(module, INDEX_HEAD_DIM, 4, rotate=True, eps=config.rms_norm_eps)
+
+    def project_q(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` fp32 (before scaling)."""
+        q = self.module.q_b_proj(q_lora).view(x.shape[0], self.n_heads, INDEX_HEAD_DIM)
+        return q, self.module.scorer.weights_proj(x).float()
+
+
+class HFAttention(nn.Module):
+    """Layer ``layer_id`` of a model, over its ``DeepseekV4Attention`` ``attn`` (registered as the
+    submodule ``attn``: parameters are shared, never copied).
+
+    ``inv_freq`` is the layer's RoPE table (docs/semantics.md §1.2), a non-persistent buffer.
+    """
+
+    def __init__(self, attn: nn.Module, config: DSV4AttnConfig, layer_id: int):
+        super().__init__()
+        self.attn, self.config, self.layer_id = attn, config, layer_id
+        self.ratio = config.compress_ratios[layer_id]
+        eps = config.rms_norm_eps
+        self.compressor = HFCompressor(attn.compressor, HEAD_DIM, self.ratio, False, eps) if self.ratio else None
+        self.indexer = HFIndexer(attn.compressor.indexer, config) if self.ratio == 4 else None
+        self.register_buffer("inv_freq", layer_inv_freq(config, self.ratio).to(attn.sinks.device),
+                             persistent=False)
+
+    @property
+    def attn_sink(self) -> torch.Tensor:
+        """``[H]`` fp32 per-head sink logits (``transformers`` keeps them in fp32 when loading)."""
+        return self.attn.sinks.float()
+
+    def project_q_kv(self, x: torch.Tensor, positions: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(q [T, H, 512], kv [T, 512], q_lora [T, q_lora])`` of ``x [T, hidden]``, RoPE at ``positions``."""
+        a = self.attn
+        q_lora = a.q_a_norm(a.q_a_proj(x))
+        q = a.q_b_norm(a.q_b_proj(q_lora).view(x.shape[0], self.config.num_heads, HEAD_DIM))
+        q = rope_tail(q, positions.unsqueeze(1), self.inv_freq)
+        kv = rope_tail(a.kv_norm(a.kv_proj(x)), positions, self.inv_freq)
+        return q, kv, q_lora
+
+    def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""
+        o = rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
+        grouped = self.attn.o_a_proj(o.reshape(o.shape[0], self.config.o_groups, -1))
+        return self.attn.o_b_proj(grouped.flatten(1))

@@ -1,0 +1,145 @@
+"""A ``transformers`` DeepSeek V4 model on the backend: :func:`enable` and the model step.
+
+``enable(model, max_requests=..., max_seq_len=...)`` returns a :class:`ModelBackend` that owns the
+paged FP8 cache (:class:`~dsv4_compile.cache.DSV4Cache`) and its host-side
+:class:`~dsv4_compile.allocator.PageAllocator`, and whose ``forward(input_ids, step, logit_rows)`` is
+one whole model step over the cache — the function to compile (:func:`dsv4_compile.compile.compile_step`).
+
+The model is not modified: its parameters, buffers and checkpoint names stay as they are. Each
+layer's attention runs through :class:`~dsv4_compile.hf_layer.HFAttention` (the model's own
+modules, read through the backend's layer protocol); everything else — embedding,
+hyper-connections, norms, MoE, head — is the model's own modules called on the flat token
+layout ``[1, T, ...]`` (one "batch" row holding every query row of the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from .allocator import PageAllocator
+from .cache import DSV4Cache
+from .config import DSV4AttnConfig
+from .hf_layer import HFAttention
+from .layer import paged_attention, prepare_step
+from .step import StepInputs
+
+# Per device, the MoE experts implementation ``transformers`` runs (docs/model.md, "Experts").
+EXPERTS_IMPLEMENTATION = {"cuda": "grouped_mm", "cpu": "batched_mm"}
+
+Attend = Callable[[int, torch.Tensor], torch.Tensor]
+
+
+class ModelBackend(nn.Module):
+    """A ``DeepseekV4ForCausalLM`` with the backend: owns ``cache`` and ``allocator``.
+
+    Args:
+        model: the ``transformers`` model (bf16), registered as the submodule ``model``.
+        config: its attention config (``DSV4AttnConfig.from_hf(model.config)``).
+        cache: the paged cache the steps read and write.
+    """
+
+    def __init__(self, model: nn.Module, config: DSV4AttnConfig, cache: DSV4Cache):
+        super().__init__()
+        self.model, self.config, self.cache = model, config, cache
+        self.attn_layers = nn.ModuleList(HFAttention(layer.self_attn, config, i)
+                                         for i, layer in enumerate(model.model.layers))
+        self.allocator = PageAllocator(cache)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    def empty_output(self, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
+        """The logits of a step with no rows (nothing is computed or written)."""
+        return self.model.lm_head.weight.new_empty(logit_rows.shape[0], self.vocab_size)
+
+    def forward(self, input_ids: torch.Tensor, step: StepInputs, logit_rows: torch.Tensor,
+                validate: bool = True, device_checks: bool | None = None) -> torch.Tensor:
+        """One model step: ``input_ids [T] int64`` (the step's query rows, the ``StepInputs``
+        conventions of the attention stack; padding rows any valid id) -> logits ``[R, vocab]``
+        (the model's dtype) of the rows ``logit_rows [R] int64``.
+
+        Writes the step's keys and compressed entries into the cache. ``validate`` /
+        ``device_checks``: as :meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>`.
+        """
+        if validate and not torch.compiler.is_compiling():
+            _check_model_inputs(self, input_ids, step, logit_rows)
+        embeds = self.model.model.embed_tokens(input_ids)
+        meta = prepare_step(self, self.cache, embeds, step, validate, device_checks)
+        caches = self.cache.layers
+
+        def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+            return paged_attention(self.attn_layers[i], x[0], meta, caches[i]).unsqueeze(0)
+
+        h = run_decoder(self.model, embeds.unsqueeze(0), input_ids.unsqueeze(0), attend)
+        return head_logits(self.model, h[:, logit_rows])[0]
+
+
+def run_decoder(model: nn.Module, embeds: torch.Tensor, input_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
+    """The decoder layers of ``model`` on ``embeds [B, S, hidden]`` -> hidden streams
+    ``[B, S, hc_mult, hidden]``, with ``attend(layer_index, x [B, S, hidden]) -> [B, S, hidden]`` in
+    place of each layer's attention. Everything else is the model's own modules, composed as
+    ``DeepseekV4DecoderLayer.forward`` composes them (hyper-connection collapse, norm, block,
+    hyper-connection expand and mix, for the attention and for the MoE)."""
+    h = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    for i, layer in enumerate(model.model.layers):
+        post, comb, collapsed = layer.attn_hc(h)
+        h = _mix(post, comb, attend(i, layer.input_layernorm(collapsed)), h)
+        post, comb, collapsed = layer.ffn_hc(h)
+        h = _mix(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=input_ids), h)
+    return h
+
+
+def _mix(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """Hyper-connection output: ``post ⊗ block_out + combᵀ @ streams`` (``[B, S, hc, hidden]``)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
+                                                                                 streams)
+
+
+def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
+    """Logits ``[B, S, vocab]`` of hidden streams ``[B, S, hc_mult, hidden]``: the model's
+    ``hc_head``, final ``norm`` and ``lm_head``."""
+    return model.lm_head(model.model.norm(model.model.hc_head(streams)))
+
+
+def _check_model_inputs(backend: ModelBackend, input_ids, step: StepInputs, logit_rows) -> None:
+    """Host checks of the model-specific inputs (the step itself is checked by ``validate_step``)."""
+    device = backend.cache.device
+    for name, t in (("input_ids", input_ids), ("logit_rows", logit_rows)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
+            raise TypeError(f"{name} must be a 1-D int64 Tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+        if t.device != device:
+            raise ValueError(f"{name} is on {t.device}, the cache is on {device}")
+    if input_ids.shape[0] != step.num_tokens:
+        raise ValueError(f"input_ids has {input_ids.shape[0]} rows, step.out_cache_loc has {step.num_tokens}")
+    if input_ids.numel() and not 0 <= int(input_ids.min()) <= int(input_ids.max()) < backend.vocab_size:
+        raise ValueError(f"input_ids: token ids must lie in [0, {backend.vocab_size})")
+    if logit_rows.numel() and not 0 <= int(logit_rows.min()) <= int(logit_rows.max()) < step.num_tokens:
+        raise ValueError(f"logit_rows: rows must lie in [0, {step.num_tokens})")
+
+
+def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_tokens: int = 4,
+           num_full_pages: int | None = None, num_swa_pages: int | None = None,
+           experts_implementation: str | None = None) -> ModelBackend:
+    """The backend for ``model`` (a bf16 ``DeepseekV4ForCausalLM``), with a cache of
+    ``max_requests`` concurrent requests of up to ``max_seq_len`` tokens on the model's device.
+
+    Sets the model's MoE experts implementation to one that compiles without graph breaks or host
+    syncs (``experts_implementation``; default :data:`EXPERTS_IMPLEMENTATION` for the device).
+    Raises ``ValueError`` naming what the backend does not support (see ``DSV4AttnConfig.from_hf``).
+    """
+    param = next(model.parameters())
+    if param.dtype != torch.bfloat16:
+        raise ValueError(f"model: the backend runs bf16 models, this one holds {param.dtype} parameters "
+                         "(load it with dtype=torch.bfloat16)")
+    config = DSV4AttnConfig.from_hf(model.config, max_draft_tokens=max_draft_tokens)
+    model.set_experts_implementation(experts_implementation or EXPERTS_IMPLEMENTATION.get(param.device.type,
+                                                                                           "grouped_mm"))
+    cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, num_full_pages=num_full_pages,
+                      num_swa_pages=num_swa_pages, device=param.device)
+    return ModelBackend(model.eval(), config, cache)
