@@ -26,8 +26,9 @@ def attn_config_from_hf(config: DeepseekV4Config, *, max_draft_tokens: int = 4) 
         rotary = int(config.head_dim * rope[label].get("partial_rotary_factor", 1.0))
         _require(rotary == ROPE_DIM, f'rope_parameters["{label}"]["partial_rotary_factor"]',
                  rope[label].get("partial_rotary_factor"), f"must give {ROPE_DIM} rotary dims")
-    _require(rope["main"]["rope_type"] == "default", 'rope_parameters["main"]["rope_type"]',
-             rope["main"]["rope_type"], "must be 'default' (sliding-window layers use plain RoPE)")
+    main_type = rope["main"].get("rope_type", "default")
+    _require(main_type == "default", 'rope_parameters["main"]["rope_type"]', main_type,
+             "must be 'default' (sliding-window layers use plain RoPE)")
     return DSV4AttnConfig(
         hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
         q_lora_rank=config.q_lora_rank, o_lora_rank=config.o_lora_rank, o_groups=config.o_groups,
@@ -69,9 +70,10 @@ def _yarn_fields(config: DeepseekV4Config) -> dict:
     for missing keys); a default rope gives factor 1 and no original length, i.e. no YaRN."""
     rope = config.rope_parameters["compress"]
     field = 'rope_parameters["compress"]'
-    if rope["rope_type"] == "default":
+    rope_type = rope.get("rope_type", "default")
+    if rope_type == "default":
         return {"yarn_factor": 1.0, "yarn_original_max_position": 0}
-    _require(rope["rope_type"] == "yarn", f'{field}["rope_type"]', rope["rope_type"],
+    _require(rope_type == "yarn", f'{field}["rope_type"]', rope_type,
              "must be 'default' or 'yarn'")
     original = rope["original_max_position_embeddings"]
     # transformers applies YaRN at any length; the backend only when the model outgrows the
