@@ -110,6 +110,16 @@ class DSV4AttnConfig:
         except KeyError:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}") from None
 
+    @classmethod
+    def from_hf(cls, config, *, max_draft_tokens: int = 4) -> "DSV4AttnConfig":
+        """The attention settings of a transformers ``DeepseekV4Config`` (docs/semantics.md §1.5).
+
+        Raises ``ValueError`` naming the transformers field for a setting the backend does not
+        support. transformers is imported here, on first use, not with this module."""
+        from .hf_config import attn_config_from_hf
+
+        return attn_config_from_hf(config, max_draft_tokens=max_draft_tokens)
+
 
 def _require(ok: bool, name: str, value, why: str) -> None:
     if not ok:

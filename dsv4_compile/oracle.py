@@ -4,7 +4,16 @@ Computes a layer's outputs from one request's *full* token history with no pages
 metadata: windows are reshapes, the indexer scores every visible entry, attention is a dense
 masked softmax with the sink as an extra logit column. What the paged cache would hold is
 reproduced by applying the same FP8 quantise-dequantise to the raw keys, the compressed entries
-and the indexer keys. The paged incremental path must match it up to rounding.
+and the indexer keys, and the indexer query is FP8-quantised as ``dsv4::indexer_prepare_q`` does.
+The paged incremental path must match it up to rounding. ``fp8=False`` leaves all four
+unquantised (bf16 keys, an fp32 indexer query after RoPE and Hadamard): the model without the FP8
+cache, as a bf16-cache implementation computes it.
+
+A layer is read through duck typing: any object with ``ratio``, ``config`` (``softmax_scale``),
+``inv_freq``, ``attn_sink``, ``project_q_kv(x, pos)``, ``output(o, pos)``, a ``compressor``
+(``project(x) -> (kv, score)`` fp32, ``ape``, ``norm``, ``ratio``, ``d``, ``rotate``, ``eps``) and an
+``indexer`` (``project_q``, ``weight_scale``, ``topk``, ``compressor``) works, not only
+:class:`DSV4Attention`.
 """
 
 from __future__ import annotations
@@ -14,7 +23,7 @@ import torch
 from .config import SWA_WINDOW
 from .layer import Compressor, DSV4Attention, DSV4AttentionStack
 from .reference.functional import hadamard, rms_norm, rope_tail
-from .reference.indexer import indexer_prepare_q
+from .reference.indexer import indexer_prepare_q, indexer_rotate_q
 from .reference.quant import fake_quant_index_k, fake_quant_model1
 
 _QUERY_CHUNK = 256
@@ -38,13 +47,17 @@ def dense_compress(comp: Compressor, x: torch.Tensor, inv_freq: torch.Tensor) ->
     return hadamard(y).to(torch.bfloat16) if comp.rotate else y
 
 
-def _indexer_selection(layer: DSV4Attention, x, q_lora, pos, n_visible) -> torch.Tensor:
+def _indexer_selection(layer: DSV4Attention, x, q_lora, pos, n_visible, fp8: bool) -> torch.Tensor:
     """[L, n_c4] bool: the c4 entries each position attends to (all visible, or the top-k)."""
     idx = layer.indexer
-    keys = fake_quant_index_k(dense_compress(idx.compressor, x, layer.inv_freq))  # [n, 128]
+    keys = dense_compress(idx.compressor, x, layer.inv_freq)  # [n, 128]
+    keys = fake_quant_index_k(keys) if fp8 else keys.float()
     iq, iw = idx.project_q(x, q_lora)
-    q_fp8, w = indexer_prepare_q(iq, iw, pos, layer.inv_freq, idx.weight_scale)
-    logits = torch.einsum("thd,nd->thn", q_fp8.float(), keys).relu()
+    if fp8:
+        q, w = indexer_prepare_q(iq, iw, pos, layer.inv_freq, idx.weight_scale)
+    else:
+        q, w = indexer_rotate_q(iq, pos, layer.inv_freq), iw.float() * idx.weight_scale
+    logits = torch.einsum("thd,nd->thn", q.float(), keys).relu()
     logits = torch.einsum("thn,th->tn", logits, w)  # [L, n]
     j = torch.arange(keys.shape[0], device=x.device)
     visible = j < n_visible.unsqueeze(1)
@@ -55,19 +68,21 @@ def _indexer_selection(layer: DSV4Attention, x, q_lora, pos, n_visible) -> torch
     return torch.where((n_visible > idx.topk).unsqueeze(1), top_mask, visible)
 
 
-def oracle_layer(layer: DSV4Attention, x: torch.Tensor) -> torch.Tensor:
-    """Outputs ``[L, hidden]`` of ``layer`` for every position of one request's history ``x``."""
+def oracle_layer(layer: DSV4Attention, x: torch.Tensor, *, fp8: bool = True) -> torch.Tensor:
+    """Outputs ``[L, hidden]`` of ``layer`` for every position of one request's history ``x``;
+    ``fp8=False``: without the FP8 cache simulation."""
     L = x.shape[0]
     pos = torch.arange(L, device=x.device)
     q, kv, q_lora = layer.project_q_kv(x, pos)
-    keys = [fake_quant_model1(kv)]
+    cached = fake_quant_model1 if fp8 else (lambda k: k)
+    keys = [cached(kv)]
     s = torch.arange(L, device=x.device)
     masks = [(s <= pos.unsqueeze(1)) & (s > pos.unsqueeze(1) - SWA_WINDOW)]  # [L, L] window
     if layer.ratio:
-        keys.append(fake_quant_model1(dense_compress(layer.compressor, x, layer.inv_freq)))
+        keys.append(cached(dense_compress(layer.compressor, x, layer.inv_freq)))
         n_visible = (pos + 1) // layer.ratio
         if layer.ratio == 4:
-            masks.append(_indexer_selection(layer, x, q_lora, pos, n_visible))
+            masks.append(_indexer_selection(layer, x, q_lora, pos, n_visible, fp8))
         else:
             masks.append(torch.arange(keys[1].shape[0], device=x.device) < n_visible.unsqueeze(1))
     keys_all, mask = torch.cat(keys, 0).float(), torch.cat(masks, 1)
@@ -86,16 +101,18 @@ def _sink_attention(q, keys, mask, sink, scale: float) -> torch.Tensor:
     return torch.einsum("thk,kd->thd", p, keys).to(torch.bfloat16)
 
 
-def oracle_stack(stack: DSV4AttentionStack, x: torch.Tensor) -> torch.Tensor:
+def oracle_stack(stack: DSV4AttentionStack, x: torch.Tensor, *, fp8: bool = True) -> torch.Tensor:
     """The stack's outputs ``[L, hidden]`` for every position of one request's history ``x``."""
-    return oracle_layer_inputs(stack, x)[-1]
+    return oracle_layer_inputs(stack, x, fp8=fp8)[-1]
 
 
-def oracle_layer_inputs(stack: DSV4AttentionStack, x: torch.Tensor) -> list[torch.Tensor]:
-    """Hidden states entering each layer, then the stack output: ``num_layers + 1`` x ``[L, hidden]``."""
+def oracle_layer_inputs(stack: DSV4AttentionStack, x: torch.Tensor, *, fp8: bool = True
+                        ) -> list[torch.Tensor]:
+    """Hidden states entering each layer of ``stack.layers``, then the stack output:
+    ``num_layers + 1`` x ``[L, hidden]``."""
     hs = [x]
     for layer in stack.layers:
-        hs.append(hs[-1] + oracle_layer(layer, hs[-1]))
+        hs.append(hs[-1] + oracle_layer(layer, hs[-1], fp8=fp8))
     return hs
 
 

@@ -18,7 +18,8 @@ def rope_inv_freq(base: float, *, yarn_factor: float = 1.0, original_len: int = 
     """``[ROPE_DIM // 2]`` fp32 inverse frequencies ``base**(-2i/64)``, YaRN-blended when
     ``max_len > original_len > 0``."""
     dim = ROPE_DIM
-    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    base_pow = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    freqs = 1.0 / base_pow
     if original_len > 0 and max_len > original_len:
         lo = max(math.floor(_correction_dim(beta_fast, dim, base, original_len)), 0)
         hi = min(math.ceil(_correction_dim(beta_slow, dim, base, original_len)), dim - 1)
@@ -26,7 +27,9 @@ def rope_inv_freq(base: float, *, yarn_factor: float = 1.0, original_len: int = 
             hi += 0.001
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
         smooth = 1 - ramp
-        freqs = freqs / yarn_factor * (1 - smooth) + freqs * smooth
+        # 1 / (factor * base**(2i/64)) rather than freqs / factor: the two round differently
+        # unless the factor is a power of two, and the former is what transformers computes.
+        freqs = 1.0 / (yarn_factor * base_pow) * (1 - smooth) + freqs * smooth
     return freqs
 
 

@@ -29,6 +29,12 @@ from .quant import quantize_q_per_head
 _ROW_CHUNK_ELEMS = 1 << 22
 
 
+def indexer_rotate_q(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """``hadamard(rope(q))``, the indexer query before quantisation: q [T, H, 128] (bf16 or
+    fp32), positions [T] int -> [T, H, 128] fp32."""
+    return hadamard(rope_tail(q.float(), positions.unsqueeze(1), inv_freq))
+
+
 def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.Tensor,
                       inv_freq: torch.Tensor, weight_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Indexer queries and head weights.
@@ -37,8 +43,7 @@ def indexer_prepare_q(q: torch.Tensor, weights: torch.Tensor, positions: torch.T
     positions: [T] int32. Returns ``q_fp8 [T, H, 128] float8_e4m3fn`` and ``w [T, H] fp32``
     (``weights * weight_scale * sigma``).
     """
-    qr = rope_tail(q.float(), positions.unsqueeze(1), inv_freq)
-    q_fp8, sigma = quantize_q_per_head(hadamard(qr))
+    q_fp8, sigma = quantize_q_per_head(indexer_rotate_q(q, positions, inv_freq))
     return q_fp8, weights.float() * weight_scale * sigma
 
 
