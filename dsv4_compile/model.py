@@ -26,8 +26,12 @@ from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
 from .step import StepInputs
 
-# Per device, the MoE experts implementation ``transformers`` runs (docs/model.md, "Experts").
-EXPERTS_IMPLEMENTATION = {"cuda": "grouped_mm", "cpu": "batched_mm"}
+# The MoE experts implementation the backend sets (docs/model.md, "Experts"): one grouped GEMM over
+# the tokens sorted by expert, with device-side group offsets (no host sync, no graph break), reading
+# each routed expert's weights once. ``batched_mm`` gathers a weight copy per (token, expert) pair
+# and the eager loop syncs on the set of routed experts (one MoE layer of the tiny test model, 64
+# tokens, CPU: 3 ms grouped, 64 ms batched, 222 ms eager).
+EXPERTS_IMPLEMENTATION = "grouped_mm"
 
 Attend = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -125,12 +129,12 @@ def _check_model_inputs(backend: ModelBackend, input_ids, step: StepInputs, logi
 
 def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_tokens: int = 4,
            num_full_pages: int | None = None, num_swa_pages: int | None = None,
-           experts_implementation: str | None = None) -> ModelBackend:
+           experts_implementation: str = EXPERTS_IMPLEMENTATION) -> ModelBackend:
     """The backend for ``model`` (a bf16 ``DeepseekV4ForCausalLM``), with a cache of
     ``max_requests`` concurrent requests of up to ``max_seq_len`` tokens on the model's device.
 
-    Sets the model's MoE experts implementation to one that compiles without graph breaks or host
-    syncs (``experts_implementation``; default :data:`EXPERTS_IMPLEMENTATION` for the device).
+    Sets the model's MoE experts implementation (``experts_implementation``, default
+    :data:`EXPERTS_IMPLEMENTATION`: it compiles without graph breaks or host syncs).
     Raises ``ValueError`` naming what the backend does not support (see ``DSV4AttnConfig.from_hf``).
     """
     param = next(model.parameters())
@@ -138,8 +142,7 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
         raise ValueError(f"model: the backend runs bf16 models, this one holds {param.dtype} parameters "
                          "(load it with dtype=torch.bfloat16)")
     config = DSV4AttnConfig.from_hf(model.config, max_draft_tokens=max_draft_tokens)
-    model.set_experts_implementation(experts_implementation or EXPERTS_IMPLEMENTATION.get(param.device.type,
-                                                                                           "grouped_mm"))
+    model.set_experts_implementation(experts_implementation)
     cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, num_full_pages=num_full_pages,
                       num_swa_pages=num_swa_pages, device=param.device)
     return ModelBackend(model.eval(), config, cache)

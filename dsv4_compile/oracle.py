@@ -22,6 +22,7 @@ import torch
 
 from .config import SWA_WINDOW
 from .layer import Compressor, DSV4Attention, DSV4AttentionStack
+from .model import ModelBackend, head_logits, run_decoder
 from .reference.functional import hadamard, rms_norm, rope_tail
 from .reference.indexer import indexer_prepare_q, indexer_rotate_q
 from .reference.quant import fake_quant_index_k, fake_quant_model1
@@ -114,6 +115,20 @@ def oracle_layer_inputs(stack: DSV4AttentionStack, x: torch.Tensor, *, fp8: bool
     for layer in stack.layers:
         hs.append(hs[-1] + oracle_layer(layer, hs[-1], fp8=fp8))
     return hs
+
+
+@torch.no_grad()
+def oracle_model_logits(backend: ModelBackend, input_ids: torch.Tensor, *, fp8: bool = True) -> torch.Tensor:
+    """Logits ``[L, vocab]`` fp32 of every position of one sequence ``input_ids [L]`` through the
+    backend's model, each attention layer computed by :func:`oracle_layer` (``fp8``: with the FP8
+    cache simulation) and everything else by the model's own modules."""
+    model = backend.model
+    ids = input_ids.unsqueeze(0)
+
+    def attend(i: int, x: torch.Tensor) -> torch.Tensor:
+        return oracle_layer(backend.attn_layers[i], x[0], fp8=fp8).unsqueeze(0)
+
+    return head_logits(model, run_decoder(model, model.model.embed_tokens(ids), ids, attend))[0].float()
 
 
 @torch.no_grad()
