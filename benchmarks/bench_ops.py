@@ -142,8 +142,9 @@ def metadata_cases(args) -> list[Case]:
     Bytes count useful data only, int32 throughout: expand reads 3 x 4 B per request and writes
     16 B per row; page_table reads the live prefix of the row's compact page map (contiguous) and
     writes 4 B per page; swa reads 128 slots and 128 mapped slots and writes
-    130 entries; c4 reads 12 B and writes 12 B per row; c128 writes its full width and reads the
-    page-table entries of the visible prefix (about L / 256 per row).
+    130 entries; c4 reads 16 B and writes 12 B per row; c128 writes its full width and reads the
+    page-table entries of the visible prefix (about L / 256 per row). The fused kernel reads
+    neither the page table nor the request row of each row back.
     """
     cases = []
     for capacity in args.capacity:
@@ -156,6 +157,7 @@ def metadata_cases(args) -> list[Case]:
             step = _decode_step(req_to_token, b, capacity, gen)
             want = named(ref_meta.step_metadata(*step.tensors(), *maps, INDEX_TOPK))
             req_of_row, seq_causal, loc = want["req_of_row"], want["seq_lens_causal"], step.out_cache_loc
+            rows = req_to_token.shape[0]
             visible_pages = int(step.seq_lens.sum()) // PAGE_SIZE
             params = {"b": b, "capacity": capacity}
             per_op = {  # op -> (arguments, bytes)
@@ -163,9 +165,9 @@ def metadata_cases(args) -> list[Case]:
                 "build_page_table": ((maps[1], req_of_row, seq_causal), 4 * b * n_pages + 4 * visible_pages + 8 * b),
                 "build_swa_metadata": ((req_to_token, full_to_swa, req_of_row, seq_causal, loc),
                                        b * (4 * (3 * SWA_WINDOW + 4) + 8)),
-                "build_c4_metadata": ((seq_causal, loc, INDEX_TOPK), 24 * b),
-                "build_c128_metadata": ((want["page_table"], seq_causal, loc),
-                                        4 * b * width + 4 * visible_pages + 24 * b),
+                "build_c4_metadata": ((req_of_row, seq_causal, loc, INDEX_TOPK, rows), 28 * b),
+                "build_c128_metadata": ((want["page_table"], req_of_row, seq_causal, loc, rows),
+                                        4 * b * width + 4 * visible_pages + 28 * b),
             }
             for op, (op_args, nbytes) in per_op.items():
                 cases.append(Case(op, params, family="metadata", bytes=nbytes,
@@ -177,7 +179,7 @@ def metadata_cases(args) -> list[Case]:
                               kernel=partial(run_chain, torch.ops.dsv4, *step.tensors(), *maps, INDEX_TOPK),
                               reference=reference, notes="expand + page_table + swa + c4 + c128 (5 launches)"))
             cases.append(Case("decode_metadata_fused", params, family="metadata",
-                              bytes=chain_bytes - 4 * visible_pages,
+                              bytes=chain_bytes - 4 * visible_pages - 8 * b,
                               kernel=partial(meta_kernels.launch_step_metadata, *step.tensors(), *maps, INDEX_TOPK),
                               reference=reference, notes="dsv4::step_metadata: the same outputs in one launch"))
     return cases

@@ -8,7 +8,7 @@ shapes of the ops, the Triton kernels' output buffers and the FX pass's output m
 through ``torch.ops.dsv4``, the fused op's reference through the reference functions).
 
 Shape legend: T = query rows, NP = pages per request (``L_max // 256``), W = SWA window (128),
-K = c128 index width (``2 NP`` rounded up to a multiple of 64).
+K = c128 index width (``2 NP`` rounded up to a multiple of 64), R = request rows of the index maps.
 """
 
 from __future__ import annotations
@@ -65,14 +65,16 @@ FIELDS = (
     MetadataField("swa_indices", "build_swa_metadata", "[T, W] window slots newest first, -1 before 0",
                   _swa_columns),
     MetadataField("swa_lengths", "build_swa_metadata", "[T] min(position + 1, W)"),
-    MetadataField("swa_out_loc", "build_swa_metadata", "[T] SWA slot the row's token is written to, -1 for none"),
-    MetadataField("c4_out_loc", "build_c4_metadata", "[T] ratio-4 write slot, -1 off a window end or for slot < 0",
+    MetadataField("swa_out_loc", "build_swa_metadata",
+                  "[T] SWA slot the row's token is written to, -1 for none (a request row outside [0, R) included)"),
+    MetadataField("c4_out_loc", "build_c4_metadata",
+                  "[T] ratio-4 write slot, -1 off a window end, for slot < 0 or a request row outside [0, R)",
                   ratio=4),
     MetadataField("c4_visible", "build_c4_metadata", "[T] ratio-4 entries the row may see", ratio=4),
     MetadataField("c4_topk_lengths", "build_c4_metadata", "[T] attention length of the top-k list",
                   ratio=4),
     MetadataField("c128_out_loc", "build_c128_metadata",
-                  "[T] ratio-128 write slot, -1 off a window end or for slot < 0",
+                  "[T] ratio-128 write slot, -1 off a window end, for slot < 0 or a request row outside [0, R)",
                   ratio=128),
     MetadataField("c128_indices", "build_c128_metadata", "[T, K] visible ratio-128 slots, -1 after",
                   c128_columns, ratio=128),
@@ -121,15 +123,18 @@ def run_chain(impl, req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens:
               ) -> dict[str, torch.Tensor]:
     """Every field of one step through ``impl``: an object holding the chain's ops by name, each
     with its op's signature (``torch.ops.dsv4``, or the reference module). Fields of ratio r are
-    built only when r is in ``ratios``. Returns ``{field name: tensor}`` in :data:`FIELDS` order."""
+    built only when r is in ``ratios``. Returns ``{field name: tensor}`` in :data:`FIELDS` order.
+    Every op that writes an out slot is given the request rows R of the index maps, so a row of a
+    request row outside ``[0, R)`` writes nothing."""
     out = named(impl.expand_queries(req_rows, seq_lens, extend_lens, out_cache_loc), "expand_queries")
-    req_of_row, seq_causal = out["req_of_row"], out["seq_lens_causal"]
+    req_of_row, seq_causal, num_rows = out["req_of_row"], out["seq_lens_causal"], req_to_token.shape[0]
     out |= named(impl.build_page_table(req_to_page, req_of_row, seq_causal), "build_page_table")
     out |= named(impl.build_swa_metadata(req_to_token, full_to_swa, req_of_row, seq_causal, out_cache_loc),
                  "build_swa_metadata")
     if 4 in ratios:
-        out |= named(impl.build_c4_metadata(seq_causal, out_cache_loc, topk), "build_c4_metadata")
+        out |= named(impl.build_c4_metadata(req_of_row, seq_causal, out_cache_loc, topk, num_rows),
+                     "build_c4_metadata")
     if 128 in ratios:
-        out |= named(impl.build_c128_metadata(out["page_table"], seq_causal, out_cache_loc),
+        out |= named(impl.build_c128_metadata(out["page_table"], req_of_row, seq_causal, out_cache_loc, num_rows),
                      "build_c128_metadata")
     return out

@@ -66,9 +66,12 @@ class FuseStepMetadataPass(DSV4InductorPass):
         if page is None or swa is None:
             return None
         chain = {page.target: page, swa.target: swa}
-        c4 = _single_user(users, _dsv4.build_c4_metadata.default, lambda n: n.args[:2] == (seq_causal, loc))
+        rows = _request_rows(swa.args[0])  # the fused op bounds request rows by req_to_token's rows
+        c4 = _single_user(users, _dsv4.build_c4_metadata.default,
+                          lambda n: n.args[:3] == (req_of_row, seq_causal, loc) and _same_int(n.args[4], rows))
         c128 = _single_user(users, _dsv4.build_c128_metadata.default,
-                            lambda n: n.args == (page, seq_causal, loc))
+                            lambda n: n.args[:4] == (page, req_of_row, seq_causal, loc)
+                            and _same_int(n.args[4], rows))
         for node in (c4, c128):
             if node is not None:
                 chain[node.target] = node
@@ -78,7 +81,7 @@ class FuseStepMetadataPass(DSV4InductorPass):
     def _replace(graph: torch.fx.Graph, expand: torch.fx.Node, chain) -> None:
         page, swa = chain[_dsv4.build_page_table.default], chain[_dsv4.build_swa_metadata.default]
         c4 = chain.get(_dsv4.build_c4_metadata.default)
-        topk = c4.args[2] if c4 is not None else 1  # c4 outputs are unused without a c4 node
+        topk = c4.args[3] if c4 is not None else 1  # c4 outputs are unused without a c4 node
         req_to_token, full_to_swa = swa.args[0], swa.args[1]
         args = (*expand.args, req_to_token, page.args[0], full_to_swa, topk)
         with graph.inserting_before(expand):
@@ -99,6 +102,17 @@ class FuseStepMetadataPass(DSV4InductorPass):
                 graph.erase_node(old)
         for node in (*reversed(chain.values()), expand):
             graph.erase_node(node)
+
+
+def _request_rows(req_to_token: torch.fx.Node):
+    """The rows R of ``req_to_token`` (an int, or a SymInt under dynamic shapes)."""
+    return req_to_token.meta["val"].shape[0]
+
+
+def _same_int(a, b) -> bool:
+    """Whether ``a`` and ``b`` are surely the same integer: equal ints, or the same symbol. Never
+    evaluates a symbolic comparison (that would add a guard): anything else is not a match."""
+    return a is b or (type(a) is int and type(b) is int and a == b)
 
 
 def _fake_outputs(args) -> tuple:

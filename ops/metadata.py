@@ -9,9 +9,10 @@ kernels' buffers all come from there. This module has no ``from __future__ impor
 a schema is inferred from the annotation objects, which are computed from that table.
 
 Out-of-range values read as "no entry" (docs/semantics.md §6): a request row outside
-``[0, R)`` has no pages (0) and no window (-1) and writes no SWA key; a position past ``L_max`` or
-a full slot outside ``full_to_swa`` has no SWA slot (-1); a negative out slot gives -1 in
-``swa_out_loc``, ``c4_out_loc`` and ``c128_out_loc``.
+``[0, R)`` has no pages (0) and no window (-1) and writes nothing; a position past ``L_max`` or
+a full slot outside ``full_to_swa`` has no SWA slot (-1); a negative out slot, like a request row
+outside ``[0, R)``, gives -1 in ``swa_out_loc``, ``c4_out_loc`` and ``c128_out_loc``. The ops
+writing ``c4_out_loc`` / ``c128_out_loc`` are given R (``num_request_rows``) for that.
 
 Shape legend: B = requests, T = query rows, R = request rows, L_max = tokens per request,
 NP = L_max // 256, W = 128 (SWA window).
@@ -124,43 +125,48 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
 
 
 # -- build_c4_metadata -------------------------------------------------------------------------
-def _check_c4(seq_lens_causal, out_cache_loc, topk) -> None:
-    check_devices("build_c4_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
-    _check_rows("build_c4_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
+def _check_c4(req_of_row, seq_lens_causal, out_cache_loc, topk, num_request_rows) -> None:
+    check_devices("build_c4_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
+                  out_cache_loc=out_cache_loc)
+    _check_rows("build_c4_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
+                out_cache_loc=out_cache_loc)
     check_positive("build_c4_metadata", "topk", topk)
 
 
-def _c4_fake(seq_lens_causal, out_cache_loc, topk):
+def _c4_fake(req_of_row, seq_lens_causal, out_cache_loc, topk, num_request_rows):
     return _fake("build_c4_metadata", seq_lens_causal.shape[0], None, seq_lens_causal)
 
 
 @dsv4_op("build_c4_metadata", check=_check_c4, fake=_c4_fake, cuda=_launcher("build_c4_metadata"))
-def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
-                      ) -> _returns(fields_of("build_c4_metadata")):
+def build_c4_metadata(req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
+                      topk: int, num_request_rows: int) -> _returns(fields_of("build_c4_metadata")):
     """The ratio-4 fields (docs/semantics.md §3.5-3.6): write slot (-1 for rows that complete no
-    window), visible entries and top-k attention length."""
-    return ref.build_c4_metadata(seq_lens_causal, out_cache_loc, topk)
+    window and for request rows outside ``[0, num_request_rows)``), visible entries and top-k
+    attention length."""
+    return ref.build_c4_metadata(req_of_row, seq_lens_causal, out_cache_loc, topk, num_request_rows)
 
 
 # -- build_c128_metadata -----------------------------------------------------------------------
-def _check_c128(page_table, seq_lens_causal, out_cache_loc) -> None:
-    check_devices("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal,
-                  out_cache_loc=out_cache_loc)
+def _check_c128(page_table, req_of_row, seq_lens_causal, out_cache_loc, num_request_rows) -> None:
+    check_devices("build_c128_metadata", page_table=page_table, req_of_row=req_of_row,
+                  seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
     check_tensor("build_c128_metadata", "page_table", page_table, dtypes=INDEX_DTYPES, ndim=2)
-    _check_rows("build_c128_metadata", seq_lens_causal=seq_lens_causal, out_cache_loc=out_cache_loc)
+    _check_rows("build_c128_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
+                out_cache_loc=out_cache_loc)
     check_same_rows("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal)
 
 
-def _c128_fake(page_table, seq_lens_causal, out_cache_loc):
+def _c128_fake(page_table, req_of_row, seq_lens_causal, out_cache_loc, num_request_rows):
     return _fake("build_c128_metadata", seq_lens_causal.shape[0], page_table.shape[1], seq_lens_causal)
 
 
 @dsv4_op("build_c128_metadata", check=_check_c128, fake=_c128_fake, cuda=_launcher("build_c128_metadata"))
-def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
-                        out_cache_loc: torch.Tensor) -> _returns(fields_of("build_c128_metadata")):
-    """The ratio-128 fields (docs/semantics.md §3.5): write slot, visible entry slots and their
-    count."""
-    return ref.build_c128_metadata(page_table, seq_lens_causal, out_cache_loc)
+def build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
+                        out_cache_loc: torch.Tensor, num_request_rows: int
+                        ) -> _returns(fields_of("build_c128_metadata")):
+    """The ratio-128 fields (docs/semantics.md §3.5): write slot (-1 as for ratio 4), visible entry
+    slots and their count."""
+    return ref.build_c128_metadata(page_table, req_of_row, seq_lens_causal, out_cache_loc, num_request_rows)
 
 
 # -- step_metadata: every op above in one launch --------------------------------------------------

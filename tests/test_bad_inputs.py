@@ -8,6 +8,11 @@ mismatched rows, an argument on another device, bad scalars), ``DSV4Cache``, ``P
 (extend / truncate / evict / free) and ``Engine`` (build_step / run / accept / idle).
 
 All cases share one engine whose request ``ROW`` holds 40 tokens; row ``FREE`` was never admitted.
+
+A step that is not validated (``validate=False``, or compiled) with request rows outside the
+cache's rows runs, and writes nothing but its own real rows' slots (docs/semantics.md §6): no
+SWA key, ring row or compressed entry of another request, eagerly and through the compiled
+step, whose metadata chain is fused into ``dsv4::step_metadata``.
 """
 
 from __future__ import annotations
@@ -21,9 +26,13 @@ import torch
 
 from dsv4_compile import (DSV4AttentionStack, DSV4AttnConfig, DSV4Cache, ForwardMode, StepInputs,
                           build_step_metadata)
+from dsv4_compile.compile import compile_step
 from dsv4_compile.engine import Engine
+from dsv4_compile.fx_passes import DSV4PassManager
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.cache_checks import allocator_state, assert_unchanged, snapshot
+from tests.support.compile_checks import fresh_compile_state
+from tests.support.step_footprint import assert_only_footprint_changed, step_footprint
 
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64)
 ROW, FREE, LENGTH = 1, 2, 40
@@ -188,9 +197,9 @@ def _op_args(eng: Engine, op: str) -> dict:
         "build_page_table": dict(req_to_page=cache.req_to_page, **rows),
         "build_swa_metadata": dict(req_to_token=cache.req_to_token, full_to_swa=cache.full_to_swa, **rows,
                                    out_cache_loc=loc),
-        "build_c4_metadata": dict(seq_lens_causal=meta.seq_lens_causal, out_cache_loc=loc, topk=64),
-        "build_c128_metadata": dict(page_table=meta.page_table, seq_lens_causal=meta.seq_lens_causal,
-                                    out_cache_loc=loc),
+        "build_c4_metadata": dict(**rows, out_cache_loc=loc, topk=64, num_request_rows=cache.req_to_token.shape[0]),
+        "build_c128_metadata": dict(page_table=meta.page_table, **rows, out_cache_loc=loc,
+                                    num_request_rows=cache.req_to_token.shape[0]),
         "step_metadata": dict(**steps, **maps, topk=64),
     }[op]
 
@@ -276,10 +285,12 @@ OP_CASES = [
     _op_case("build_c4_metadata", "out_cache_loc", _drop_row, ValueError, "rows"),
     _op_case("build_c4_metadata", "topk", _value(0), ValueError, "value"),
     _op_case("build_c4_metadata", "out_cache_loc", _on_meta, ValueError, "device"),
+    _op_case("build_c4_metadata", "req_of_row", _drop_row, ValueError, "rows"),
     _op_case("build_c128_metadata", "out_cache_loc", _dtype(F32), TypeError, "dtype"),
     _op_case("build_c128_metadata", "page_table", _flat, ValueError, "rank"),
     _op_case("build_c128_metadata", "page_table", _drop_row, ValueError, "rows"),
     _op_case("build_c128_metadata", "seq_lens_causal", _on_meta, ValueError, "device"),
+    _op_case("build_c128_metadata", "req_of_row", _dtype(F32), TypeError, "dtype"),
     _op_case("step_metadata", "extend_lens", _dtype(F32), TypeError, "dtype"),
     _op_case("step_metadata", "req_to_page", lambda t: t[:, :1], ValueError, "shape"),
     _op_case("step_metadata", "extend_lens", _drop_row, ValueError, "rows"),
@@ -354,3 +365,34 @@ HOST_CASES = [
 @pytest.mark.parametrize("case", [c.param() for c in MAKE_CASES + FORWARD_CASES + OP_CASES + HOST_CASES])
 def test_bad_input_is_refused_by_name_and_changes_nothing(engine, case):
     _run_case(engine, case)
+
+
+# -- unvalidated steps ---------------------------------------------------------------------------
+def _step_with_foreign_rows(eng: Engine, victim: int) -> tuple[StepInputs, StepInputs]:
+    """An extend step of the engine's first request at position 127 (it completes a c4 and a c128
+    window) beside two requests on rows -1 and R (the cache's row count) that carry ``victim``'s
+    slots at positions 127, 254 and 255 (each completing a window but 254), padded to 6 rows.
+    Returns it and the step of its real request alone (what it may write)."""
+    row, rows = eng.allocator.active_rows[0], eng.stack.cache.req_to_token.shape[0]
+    own = eng.allocator.extend(row, 1)
+    foreign = eng.stack.cache.req_to_token[victim, [127, 254, 255]].long()
+    step = StepInputs.make(M.EXTEND, [row, -1, rows], [128, 128, 256], [1, 1, 2], torch.cat([own, foreign]),
+                           num_tokens=6)
+    return step, StepInputs.make(M.EXTEND, [row], [128], [1], own, num_tokens=6)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_unvalidated_step_with_out_of_range_request_rows_writes_only_its_own_slots(compiled):
+    eng, rec = make_engine(TINY, max_requests=2, max_seq_len=512, capture_layers=False)
+    row, victim = eng.admit(), eng.admit()
+    passes = DSV4PassManager()
+    with torch.no_grad(), fresh_compile_state():
+        rec.run(M.EXTEND, {row: 127, victim: 256})
+        step, own = _step_with_foreign_rows(eng, victim)
+        cache = eng.stack.cache
+        before, footprint = snapshot(cache), step_footprint(cache, own)
+        x = torch.randn(step.num_tokens, TINY.hidden_size, dtype=torch.bfloat16)
+        out = compile_step(eng.stack, passes=passes)(x, step) if compiled else eng.stack(x, step, validate=False)
+    assert torch.isfinite(out.float()).all()
+    assert_only_footprint_changed(before, cache, footprint, "a step with out-of-range request rows")
+    assert passes.matched_count == compiled  # the compiled step runs the fused metadata op

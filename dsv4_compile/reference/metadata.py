@@ -13,9 +13,9 @@ Padding rows (query rows past ``sum(extend_lens)``) belong to the reserved dummy
 position 0: ``seq_len 1``, and every slot they read or write is the dummy slot 0.
 
 Out-of-range values (docs/semantics.md §6) read as "no entry" through :func:`gather_or`: a request
-row outside the index maps has no pages and no window and writes no SWA key, a position past
-``L_max`` or a full slot outside ``full_to_swa`` has no SWA slot (-1), and a negative out slot
-gives -1 in all three out-slot fields.
+row outside the index maps has no pages and no window and writes nothing (-1 in all three
+out-slot fields), a position past ``L_max`` or a full slot outside ``full_to_swa`` has no SWA slot
+(-1), and a negative out slot gives -1 in all three out-slot fields.
 """
 
 from __future__ import annotations
@@ -95,42 +95,51 @@ def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, re
     full = gather_or(req_to_token, (req.unsqueeze(1), p), -1)  # [T, W]
     indices = gather_or(full_to_swa, (full,), -1).to(_I32)
     lengths = seq_lens_causal.clamp_max(SWA_WINDOW).to(_I32)
-    known = (req >= 0) & (req < req_to_token.shape[0])
-    out_loc = torch.where(known, gather_or(full_to_swa, (out_cache_loc,), -1), -1)
+    out_loc = torch.where(_known(req, req_to_token.shape[0]), gather_or(full_to_swa, (out_cache_loc,), -1), -1)
     return indices, lengths, out_loc.to(_I32)
 
 
-def _compressed_out_loc(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, ratio: int) -> torch.Tensor:
+def _known(req_of_row: torch.Tensor, num_request_rows: int) -> torch.Tensor:
+    """Rows whose request row is in ``[0, num_request_rows)``: bool [T]. Only such a row writes."""
+    return (req_of_row >= 0) & (req_of_row < num_request_rows)
+
+
+def _compressed_out_loc(req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
+                        ratio: int, num_request_rows: int) -> torch.Tensor:
     """``out_cache_loc // ratio`` for a row completing a window (a positive multiple of ``ratio``
-    tokens) with a non-negative out slot, else -1: int32 [T]."""
+    tokens) with a non-negative out slot and a request row in ``[0, num_request_rows)``, else -1:
+    int32 [T]."""
     seq, loc = seq_lens_causal.long(), out_cache_loc.long()
-    return torch.where((seq > 0) & (seq % ratio == 0) & (loc >= 0), loc // ratio, -1).to(_I32)
+    writes = (seq > 0) & (seq % ratio == 0) & (loc >= 0) & _known(req_of_row.long(), num_request_rows)
+    return torch.where(writes, loc // ratio, -1).to(_I32)
 
 
-def build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor, topk: int
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ratio-4 fields (docs/semantics.md §3.5, §3.6).
+def build_c4_metadata(req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
+                      topk: int, num_request_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ratio-4 fields (docs/semantics.md §3.5, §3.6); ``num_request_rows`` = R.
 
     Returns int32 [T]: ``c4_out_loc`` (``full_slot // 4`` for a row completing a window, else -1,
-    and -1 for a negative out slot: skipped by the store), ``c4_visible = (pos + 1) // 4``
-    (compressed entries the row may see) and ``c4_topk_lengths = min(max(c4_visible, 1), topk)``
-    (attention's extra length).
+    and -1 for a negative out slot or a request row outside ``[0, R)``: skipped by the store),
+    ``c4_visible = (pos + 1) // 4`` (compressed entries the row may see) and
+    ``c4_topk_lengths = min(max(c4_visible, 1), topk)`` (attention's extra length).
     """
     visible = (seq_lens_causal.long() // 4).to(_I32)
-    return _compressed_out_loc(seq_lens_causal, out_cache_loc, 4), visible, visible.clamp(1, topk).to(_I32)
+    out_loc = _compressed_out_loc(req_of_row, seq_lens_causal, out_cache_loc, 4, num_request_rows)
+    return out_loc, visible, visible.clamp(1, topk).to(_I32)
 
 
-def build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
-                        out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Ratio-128 fields (docs/semantics.md §3.5).
+def build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
+                        out_cache_loc: torch.Tensor, num_request_rows: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ratio-128 fields (docs/semantics.md §3.5); ``num_request_rows`` = R.
 
     Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1, and -1
-    for a negative out slot), ``c128_indices [T, ceil64(2 NP)] int32`` (entry ``j`` at slot
-    ``page_table[q, j // 2] * 2 + j % 2`` for ``j < (pos + 1) // 128``, else -1) and
-    ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
+    for a negative out slot or a request row outside ``[0, R)``), ``c128_indices [T, ceil64(2 NP)]
+    int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2`` for
+    ``j < (pos + 1) // 128``, else -1) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
     """
     seq = seq_lens_causal.long()
-    out_loc = _compressed_out_loc(seq_lens_causal, out_cache_loc, 128)
+    out_loc = _compressed_out_loc(req_of_row, seq_lens_causal, out_cache_loc, 128, num_request_rows)
     n_entries = 2 * page_table.shape[1]
     j = torch.arange(c128_columns(page_table.shape[1]), device=seq.device)  # [K]
     page = page_table.long()[:, (j // 2).clamp_max(page_table.shape[1] - 1)]  # [T, K]

@@ -7,7 +7,8 @@ division by the page size or ratio is floor division, as in PyTorch).
 
 Out-of-range values read as "no entry" (docs/semantics.md §6): every load through a request row,
 position or full slot is masked to the tensor it reads (``R`` request rows, ``L_max`` positions,
-``full_to_swa``'s length), with the reference's fill values, so no kernel reads outside its inputs.
+``full_to_swa``'s length), with the reference's fill values, so no kernel reads outside its inputs;
+a row whose request row is outside ``[0, R)`` gets -1 in every out-slot field, so it writes nothing.
 
 Each launcher has its op's signature. Output buffers come from the field table
 (``metadata_chain.empty_outputs``) and reach a kernel by keyword: the kernel parameter of field
@@ -67,11 +68,18 @@ def _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B: tl.c
 
 
 @triton.jit
+def _known(req, R):
+    """Whether request row ``req`` is one of the index maps' ``R`` rows: only then does its row
+    read a page or a window entry, or write anything."""
+    return (req >= 0) & (req < R)
+
+
+@triton.jit
 def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE: tl.constexpr):
     """Full-pool pages ``req_to_page[req, i]`` of page indices ``i`` holding positions below
     ``seq`` (0 past them, past NP and for a request row outside ``[0, R)``): a contiguous read of
     the row's live pages only."""
-    known = (req >= 0) & (req < R)
+    known = _known(req, R)
     return tl.load(req_to_page_ptr + req.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pp,
                    mask=(i < NP) & (i * PAGE < seq) & known, other=0)
 
@@ -82,7 +90,7 @@ def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_tok
     """Window slots of row q, newest first, its length and write slot; -1 for positions outside
     ``[0, L)``, a request row outside ``[0, R)`` and full slots outside ``[0, n_swa)``."""
     p = (seq - 1).to(tl.int64) - tl.arange(0, W)
-    known = (req >= 0) & (req < R)
+    known = _known(req, R)
     full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl,
                    mask=known & (p >= 0) & (p < L), other=-1).to(tl.int64)
     swa = tl.load(full_to_swa_ptr + full * stride_f, mask=(full >= 0) & (full < n_swa), other=-1)
@@ -94,18 +102,19 @@ def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_tok
 
 
 @triton.jit
-def _compressed_out_loc(seq, loc, RATIO: tl.constexpr):
+def _compressed_out_loc(req, seq, loc, R, RATIO: tl.constexpr):
     """``loc // RATIO`` for a row completing a window (``seq`` a positive multiple of RATIO) with
-    a non-negative out slot, else -1 (int32)."""
+    a non-negative out slot and a request row in ``[0, R)``, else -1 (int32)."""
     loc = loc.to(tl.int64)
-    return tl.where((seq > 0) & (seq % RATIO == 0) & (loc >= 0), loc // RATIO, -1).to(tl.int32)
+    writes = (seq > 0) & (seq % RATIO == 0) & (loc >= 0) & _known(req, R)
+    return tl.where(writes, loc // RATIO, -1).to(tl.int32)
 
 
 @triton.jit
-def _c4_fields(seq, loc, topk):
+def _c4_fields(req, seq, loc, R, topk):
     """Ratio-4 write slot, visible entries and attention length (clamped to [1, topk]), int32."""
     visible = _floor_div(seq.to(tl.int64), 4)
-    return (_compressed_out_loc(seq, loc, 4), visible.to(tl.int32),
+    return (_compressed_out_loc(req, seq, loc, R, 4), visible.to(tl.int32),
             tl.minimum(tl.maximum(visible, 1), topk).to(tl.int32))
 
 
@@ -150,20 +159,21 @@ def _swa_kernel(req_to_token_ptr, full_to_swa_ptr, req_of_row_ptr, seq_ptr, out_
 
 
 @triton.jit
-def _c4_kernel(seq_ptr, out_cache_loc_ptr, c4_out_loc_ptr, c4_visible_ptr, c4_topk_lengths_ptr, T, topk,
-               BLOCK: tl.constexpr):
+def _c4_kernel(req_of_row_ptr, seq_ptr, out_cache_loc_ptr, c4_out_loc_ptr, c4_visible_ptr, c4_topk_lengths_ptr, T,
+               R, topk, BLOCK: tl.constexpr):
     q = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = q < T
-    out_loc, visible, lengths = _c4_fields(tl.load(seq_ptr + q, mask=m, other=1),
-                                           tl.load(out_cache_loc_ptr + q, mask=m, other=0), topk)
+    out_loc, visible, lengths = _c4_fields(tl.load(req_of_row_ptr + q, mask=m, other=0),
+                                           tl.load(seq_ptr + q, mask=m, other=1),
+                                           tl.load(out_cache_loc_ptr + q, mask=m, other=0), R, topk)
     tl.store(c4_out_loc_ptr + q, out_loc, mask=m)
     tl.store(c4_visible_ptr + q, visible, mask=m)
     tl.store(c4_topk_lengths_ptr + q, lengths, mask=m)
 
 
 @triton.jit
-def _c128_kernel(page_table_ptr, seq_ptr, out_cache_loc_ptr, c128_out_loc_ptr, c128_indices_ptr,
-                 c128_lengths_ptr, stride_pt, stride_pp, NP, K, BLOCK: tl.constexpr):
+def _c128_kernel(page_table_ptr, req_of_row_ptr, seq_ptr, out_cache_loc_ptr, c128_out_loc_ptr, c128_indices_ptr,
+                 c128_lengths_ptr, stride_pt, stride_pp, NP, K, R, BLOCK: tl.constexpr):
     """Column block ``blk`` of row q's c128 indices; block 0 also writes the row's scalars."""
     q = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
@@ -175,7 +185,8 @@ def _c128_kernel(page_table_ptr, seq_ptr, out_cache_loc_ptr, c128_out_loc_ptr, c
                    other=0)
     _c128_block(q, j, visible, page, c128_indices_ptr, NP, K)
     if blk == 0:
-        tl.store(c128_out_loc_ptr + q, _compressed_out_loc(seq, tl.load(out_cache_loc_ptr + q), 128))
+        out_loc = _compressed_out_loc(tl.load(req_of_row_ptr + q), seq, tl.load(out_cache_loc_ptr + q), R, 128)
+        tl.store(c128_out_loc_ptr + q, out_loc)
         tl.store(c128_lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
 
 
@@ -208,11 +219,11 @@ def _step_metadata_kernel(
         loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
                  full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)
-        c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(seq, loc, topk)
+        c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(req, seq, loc, R, topk)
         tl.store(c4_out_loc_ptr + q, c4_out_loc)
         tl.store(c4_visible_ptr + q, c4_visible)
         tl.store(c4_topk_lengths_ptr + q, c4_topk_lengths)
-        tl.store(c128_out_loc_ptr + q, _compressed_out_loc(seq, loc, 128))
+        tl.store(c128_out_loc_ptr + q, _compressed_out_loc(req, seq, loc, R, 128))
         tl.store(c128_lengths_ptr + q, tl.maximum(visible, 1).to(tl.int32))
 
 
@@ -273,20 +284,20 @@ def launch_build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Ten
     return tuple(outs.values())
 
 
-def launch_build_c4_metadata(seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
-                             topk: int) -> tuple[torch.Tensor, ...]:
+def launch_build_c4_metadata(req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
+                             topk: int, num_request_rows: int) -> tuple[torch.Tensor, ...]:
     """``(c4_out_loc, c4_visible, c4_topk_lengths)`` int32 [T] (docs/semantics.md §3.5, 3.6)."""
     t = seq_lens_causal.shape[0]
     outs = empty_outputs("build_c4_metadata", t, None, seq_lens_causal.device)
     if t:
         block = _block(t)
-        _c4_kernel[(triton.cdiv(t, block),)](*_rows(seq_lens_causal, out_cache_loc), **_pointers(outs), T=t,
-                                             topk=topk, BLOCK=block, num_warps=4)
+        _c4_kernel[(triton.cdiv(t, block),)](*_rows(req_of_row, seq_lens_causal, out_cache_loc), **_pointers(outs),
+                                             T=t, R=num_request_rows, topk=topk, BLOCK=block, num_warps=4)
     return tuple(outs.values())
 
 
-def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.Tensor,
-                               out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def launch_build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
+                               out_cache_loc: torch.Tensor, num_request_rows: int) -> tuple[torch.Tensor, ...]:
     """``(c128_out_loc [T], c128_indices [T, K], c128_lengths [T])`` int32 (docs/semantics.md §3.5)."""
     t, n_pages = page_table.shape
     outs = empty_outputs("build_c128_metadata", t, n_pages, page_table.device)
@@ -294,8 +305,9 @@ def launch_build_c128_metadata(page_table: torch.Tensor, seq_lens_causal: torch.
     if t:
         block = _block(width)
         _c128_kernel[(t, max(triton.cdiv(width, block), 1))](  # block 0 writes the scalars
-            page_table, *_rows(seq_lens_causal, out_cache_loc), **_pointers(outs), stride_pt=page_table.stride(0),
-            stride_pp=page_table.stride(1), NP=n_pages, K=width, BLOCK=block, num_warps=4)
+            page_table, *_rows(req_of_row, seq_lens_causal, out_cache_loc), **_pointers(outs),
+            stride_pt=page_table.stride(0), stride_pp=page_table.stride(1), NP=n_pages, K=width, R=num_request_rows,
+            BLOCK=block, num_warps=4)
     return tuple(outs.values())
 
 

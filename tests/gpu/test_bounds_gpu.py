@@ -43,6 +43,13 @@ def test_swa_metadata_guard_rows():
     bounds.swa_metadata_case(ops, CUDA)
 
 
+def test_compressed_out_slots_of_out_of_range_request_rows():
+    got = bounds.compressed_out_loc_case(ops, CUDA)
+    want = bounds.compressed_out_loc_case(bounds.references(), CUDA)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+
+
 def test_step_metadata_negative_out_slots_and_bad_request_rows():
     got = bounds.step_metadata_case(ops, CUDA)
     want = bounds.step_metadata_case(bounds.references(), CUDA)

@@ -43,6 +43,13 @@ def test_swa_metadata_out_of_range_rows_positions_and_slots(device):
     bounds.swa_metadata_case(KERNELS, device)
 
 
+def test_compressed_out_slots_of_out_of_range_request_rows(device):
+    got = bounds.compressed_out_loc_case(KERNELS, device)
+    want = bounds.compressed_out_loc_case(bounds.references(), device)
+    for name, w in want.items():
+        assert torch.equal(got[name], w), name
+
+
 def test_step_metadata_negative_out_slots_and_bad_request_rows(device):
     got = bounds.step_metadata_case(KERNELS, device)
     want = bounds.step_metadata_case(bounds.references(), device)

@@ -87,7 +87,8 @@ def test_int64_inputs_and_negative_full_slots(device):
         "build_page_table": metadata_kernels.launch_build_page_table(req_to_page, req_of_row, seq_causal),
         "build_swa_metadata": metadata_kernels.launch_build_swa_metadata(req_to_token, full_to_swa, req_of_row,
                                                                          seq_causal, loc),
-        "build_c128_metadata": metadata_kernels.launch_build_c128_metadata(page_table, seq_causal, loc),
+        "build_c128_metadata": metadata_kernels.launch_build_c128_metadata(page_table, req_of_row, seq_causal, loc,
+                                                                           req_to_token.shape[0]),
     }
     for op, outputs in launched.items():
         _assert_fields(named(outputs, op), want)
@@ -107,9 +108,9 @@ def test_wide_rows_span_column_blocks(device):
     req_of_row, seq_causal = want["req_of_row"], want["seq_lens_causal"]
     _assert_fields(named(metadata_kernels.launch_build_page_table(req_to_page, req_of_row, seq_causal),
                          "build_page_table"), want)
-    _assert_fields(named(metadata_kernels.launch_build_c128_metadata(want["page_table"], seq_causal,
-                                                                     step.out_cache_loc), "build_c128_metadata"),
-                   want)
+    _assert_fields(named(metadata_kernels.launch_build_c128_metadata(want["page_table"], req_of_row, seq_causal,
+                                                                     step.out_cache_loc, req_to_token.shape[0]),
+                         "build_c128_metadata"), want)
 
 
 def test_expand_many_requests_crosses_chunks(device):
@@ -130,5 +131,6 @@ def test_strided_page_table_input(device):
     page_table = want["page_table"]
     strided = torch.zeros(page_table.shape[1], page_table.shape[0], dtype=torch.int32, device=device).t()
     strided.copy_(page_table)
-    got = metadata_kernels.launch_build_c128_metadata(strided, want["seq_lens_causal"], step.out_cache_loc)
+    got = metadata_kernels.launch_build_c128_metadata(strided, want["req_of_row"], want["seq_lens_causal"],
+                                                      step.out_cache_loc, req_to_token.shape[0])
     _assert_fields(named(got, "build_c128_metadata"), want)

@@ -49,9 +49,10 @@ def test_metadata_ops(state, step_name):
     req, seq, _, _ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
     _opcheck(ops.build_page_table, (cache.req_to_page, req, seq))
     _opcheck(ops.build_swa_metadata, (cache.req_to_token, cache.full_to_swa, req, seq, step.out_cache_loc))
-    _opcheck(ops.build_c4_metadata, (seq, step.out_cache_loc, 64))
+    rows = cache.req_to_token.shape[0]
+    _opcheck(ops.build_c4_metadata, (req, seq, step.out_cache_loc, 64, rows))
     page_table = ops.build_page_table(cache.req_to_page, req, seq)
-    _opcheck(ops.build_c128_metadata, (page_table, seq, step.out_cache_loc))
+    _opcheck(ops.build_c128_metadata, (page_table, req, seq, step.out_cache_loc, rows))
     _opcheck(ops.step_metadata, (*step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa, 64))
 
 
@@ -123,8 +124,10 @@ def _calls(state) -> dict[str, tuple]:
         "build_page_table": (cache.req_to_page, meta.req_of_row, meta.seq_lens_causal),
         "build_swa_metadata": (cache.req_to_token, cache.full_to_swa, meta.req_of_row, meta.seq_lens_causal,
                                step.out_cache_loc),
-        "build_c4_metadata": (meta.seq_lens_causal, step.out_cache_loc, 64),
-        "build_c128_metadata": (meta.page_table, meta.seq_lens_causal, step.out_cache_loc),
+        "build_c4_metadata": (meta.req_of_row, meta.seq_lens_causal, step.out_cache_loc, 64,
+                              cache.req_to_token.shape[0]),
+        "build_c128_metadata": (meta.page_table, meta.req_of_row, meta.seq_lens_causal, step.out_cache_loc,
+                                cache.req_to_token.shape[0]),
         "step_metadata": (*step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa, 64),
         "store_kv": (pool, slots, keys, 64),
         "dequant_kv": (pool, slots, 64),

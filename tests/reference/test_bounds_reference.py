@@ -38,6 +38,10 @@ def test_swa_metadata_out_of_range_rows_positions_and_slots():
     bounds.swa_metadata_case(ops, "cpu")
 
 
+def test_compressed_out_slots_of_out_of_range_request_rows():
+    bounds.compressed_out_loc_case(ops, "cpu")
+
+
 def test_step_metadata_negative_out_slots_and_bad_request_rows():
     bounds.step_metadata_case(ops, "cpu")
 

@@ -57,11 +57,12 @@ def test_worked_decode_example():
     want = torch.where(p >= 256, 7 * 256 + (p - 256), 3 * 256 + p)  # positions 299 ... 172
     assert torch.equal(swa["swa_indices"][0], want.to(I32)) and swa["swa_lengths"].item() == 128
     assert swa["swa_out_loc"].item() == 7 * 256 + 43
-    c4 = _fields("build_c4_metadata", seq, out_cache_loc, 512)
+    rows = req_to_token.shape[0]
+    c4 = _fields("build_c4_metadata", req, seq, out_cache_loc, 512, rows)
     assert c4["c4_out_loc"].item() == 2698 == 42 * 64 + 10  # entry 74 (positions 296-299) at c4 page 42 offset 10
     c4_visible = c4["c4_visible"]
     assert c4_visible.item() == 75 and c4["c4_topk_lengths"].item() == 75
-    c128 = _fields("build_c128_metadata", page_table, seq, out_cache_loc)
+    c128 = _fields("build_c128_metadata", page_table, req, seq, out_cache_loc, rows)
     c128_idx = c128["c128_indices"]
     assert c128["c128_out_loc"].item() == -1  # 300 % 128 != 0: nothing to store
     assert c128["c128_lengths"].item() == 2
@@ -117,11 +118,11 @@ def test_short_sequences():
     assert swa["swa_lengths"].tolist() == [1, 3, 4, 128]
     assert idx[1, :4].tolist() == [514, 513, 512, -1]
     assert torch.all(idx[3] >= 512)
-    c4 = _fields("build_c4_metadata", seq, loc, 512)
+    c4 = _fields("build_c4_metadata", req, seq, loc, 512, 2)
     assert c4["c4_visible"].tolist() == [0, 0, 1, 32] and c4["c4_topk_lengths"].tolist() == [1, 1, 1, 32]
     assert c4["c4_out_loc"].tolist() == [-1, -1, (5 * 256 + 3) // 4, (5 * 256 + 127) // 4]
     page_table = metadata.build_page_table(metadata.page_map(req_to_token), req, seq)
-    c128 = _fields("build_c128_metadata", page_table, seq, loc)
+    c128 = _fields("build_c128_metadata", page_table, req, seq, loc, 2)
     c128_idx = c128["c128_indices"]
     assert c128["c128_lengths"].tolist() == [1, 1, 1, 1]
     assert torch.all(c128_idx[:3] == -1) and c128_idx[3, 0].item() == 10 and c128_idx[3, 1].item() == -1

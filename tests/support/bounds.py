@@ -200,6 +200,27 @@ def swa_metadata_case(impl, device) -> dict[str, torch.Tensor]:
     return got
 
 
+def compressed_out_loc_case(impl, device) -> dict[str, torch.Tensor]:
+    """Rows that each complete a c4 and a c128 window at an in-range out slot: those of request
+    rows outside ``[0, R)`` (negative, R, far past it) get -1 out slots, so they store no entry;
+    the others ``slot // r``. The other fields do not depend on the request row."""
+    rows = 4
+    req = torch.tensor([1, -1, rows, 3, -rows - 1, torch.iinfo(torch.int32).max, 0], dtype=torch.int32,
+                       device=device)
+    seq = torch.full_like(req, 2 * 128)
+    loc = 5 * PAGE_SIZE + 255 + torch.arange(req.shape[0], dtype=torch.int64, device=device) * PAGE_SIZE
+    page_table = torch.arange(req.shape[0] * 2, dtype=torch.int32, device=device).view(-1, 2) + 1
+    got = {name: t.cpu() for name, t in {
+        **named(impl.build_c4_metadata(req, seq, loc, 64, rows), "build_c4_metadata"),
+        **named(impl.build_c128_metadata(page_table, req, seq, loc, rows), "build_c128_metadata")}.items()}
+    known = ((req >= 0) & (req < rows)).cpu()
+    for field, ratio in (("c4_out_loc", 4), ("c128_out_loc", 128)):
+        assert torch.equal(got[field], torch.where(known, loc.cpu() // ratio, -1).to(torch.int32)), (field, got[field])
+    for field in ("c4_visible", "c4_topk_lengths", "c128_lengths"):
+        assert (got[field] == got[field][0]).all(), field
+    return got
+
+
 def _bad_step(device, req_to_token: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A step of four requests — rows 1 and 2 real, -1 and ``R`` out of range — whose row at
     position 255 of request 1 (it completes a c4 and a c128 window) has out slot -1, and whose
@@ -220,7 +241,8 @@ def step_metadata_case(impl, device) -> dict[str, torch.Tensor]:
     """Every field of a step with negative out slots and out-of-range request rows, through the
     five ops and the fused one (equal), with guard rows around the index maps: a row with a
     negative out slot stores nothing (its three out slots are -1); a row of an out-of-range
-    request reads no page, no window and writes no SWA key."""
+    request reads no page, no window and writes nothing (its three out slots are -1 too, though
+    it completes c4 and c128 windows at another request's slots)."""
     gen = _gen(device, 13)
     rows, l_max = 4, 512
     tok, f2s = cache_inputs.index_maps(rows - 1, l_max, gen)
@@ -242,6 +264,9 @@ def step_metadata_case(impl, device) -> dict[str, torch.Tensor]:
     assert bad.tolist() == [False, False, True, True, True, False, False, False]
     assert (got["swa_indices"][bad] == -1).all() and (got["swa_out_loc"][bad] == -1).all()
     assert (got["page_table"][bad] == 0).all()
+    assert all((got[f][bad] == -1).all() for f in ("c4_out_loc", "c128_out_loc")), \
+        (got["c4_out_loc"], got["c128_out_loc"])
+    assert got["c4_out_loc"][5] >= 0 and got["c128_out_loc"][5] >= 0  # the real row at position 383
     return got
 
 
