@@ -127,7 +127,10 @@ class ModelRunner(StepBuilder):
         if max_new_tokens == 0:
             return out
         generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed) if seed is not None else generator.seed()
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
 
         def consume(parts, logits):
             if not parts:
