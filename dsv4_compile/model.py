@@ -24,6 +24,8 @@ from .cache import DSV4Cache
 from .config import DSV4AttnConfig
 from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
+from .model_forward import install, uninstall
+from .runner import ModelRunner
 from .step import StepInputs
 
 # The MoE experts implementation the backend sets (docs/model.md, "Experts"): one grouped GEMM over
@@ -39,6 +41,10 @@ Attend = Callable[[int, torch.Tensor], torch.Tensor]
 class ModelBackend(nn.Module):
     """A ``DeepseekV4ForCausalLM`` with the backend: owns ``cache`` and ``allocator``.
 
+    ``runner`` is the :class:`~dsv4_compile.runner.ModelRunner` the model's own forward uses once
+    :func:`enable` installed it (eager by default; assign one with a compiled ``step_fn`` to compile
+    it); :meth:`close` gives the model its original forward back.
+
     Args:
         model: the ``transformers`` model (bf16), registered as the submodule ``model``.
         config: its attention config (``DSV4AttnConfig.from_hf(model.config)``).
@@ -51,6 +57,11 @@ class ModelBackend(nn.Module):
         self.attn_layers = nn.ModuleList(HFAttention(layer.self_attn, config, i)
                                          for i, layer in enumerate(model.model.layers))
         self.allocator = PageAllocator(cache)
+        self.runner = ModelRunner(self)
+
+    def close(self) -> None:
+        """Give the model its original forward back (the cache stays usable through this object)."""
+        uninstall(self)
 
     @property
     def vocab_size(self) -> int:
@@ -133,6 +144,9 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     """The backend for ``model`` (a bf16 ``DeepseekV4ForCausalLM``), with a cache of
     ``max_requests`` concurrent requests of up to ``max_seq_len`` tokens on the model's device.
 
+    Installs the backend as the model's own forward without a cache (``model(input_ids,
+    attention_mask, labels)``, see :mod:`dsv4_compile.model_forward`) until ``backend.close()``.
+
     Sets the model's MoE experts implementation (``experts_implementation``, default
     :data:`EXPERTS_IMPLEMENTATION`: it compiles without graph breaks or host syncs).
     Raises ``ValueError`` naming what the backend does not support (see ``DSV4AttnConfig.from_hf``).
@@ -145,4 +159,6 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     model.set_experts_implementation(experts_implementation)
     cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, num_full_pages=num_full_pages,
                       num_swa_pages=num_swa_pages, device=param.device)
-    return ModelBackend(model.eval(), config, cache)
+    backend = ModelBackend(model.eval(), config, cache)
+    install(backend)
+    return backend

@@ -1,0 +1,93 @@
+"""The model's own forward contract on the backend: ``model(input_ids, attention_mask, labels)``.
+
+:func:`install` replaces the model instance's ``forward`` (the class is untouched) with one that
+scores a padded batch through the backend when no cache is passed — the way evaluation harnesses
+and scripts call a causal LM — and otherwise calls the model's original forward (``generate()``
+passes its ``DynamicCache``). :func:`uninstall` restores it. docs/model.md, "The model's forward".
+
+Padding: each row is scored over its real tokens only (the ``attention_mask`` ones, which must be
+one contiguous run: left or right padding), at positions counted from 0; padded positions' logits
+are zeros. The pages a call takes are released before it returns.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from .model import ModelBackend
+
+# Keywords the backend path accepts as the model's forward does, with no effect on the result.
+_NEUTRAL = ("use_cache", "return_dict")
+
+
+def install(backend: "ModelBackend") -> None:
+    """Make ``backend.model(...)`` run through ``backend.runner`` (see the module docstring)."""
+    model = backend.model
+    original = type(model).forward.__get__(model)
+
+    @functools.wraps(original)
+    def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
+                labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        others = (position_ids, past_key_values, inputs_embeds,
+                  *(v for k, v in kwargs.items() if k not in _NEUTRAL))
+        if input_ids is None or any(v is not None and v is not False for v in others):
+            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                            logits_to_keep=logits_to_keep, **kwargs)
+        out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep)
+        return out if kwargs.get("return_dict", True) else out.to_tuple()
+
+    forward.dsv4_backend = backend  # marks the replacement (uninstall removes only its own)
+    model.forward = forward
+
+
+def uninstall(backend: "ModelBackend") -> None:
+    """Restore the model's original forward (no-op if :func:`install` did not replace it)."""
+    model = backend.model
+    if getattr(model.__dict__.get("forward"), "dsv4_backend", None) is backend:
+        del model.forward
+
+
+def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0) -> Any:
+    """``MoeCausalLMOutputWithPast`` of the padded batch ``input_ids [B, S]`` (``attention_mask [B, S]``,
+    1 on real tokens; ``None``: no padding): ``logits [B, S', vocab]`` in the model's dtype (zeros on
+    padded positions; ``S'``: the positions ``logits_to_keep`` selects, as in ``transformers``) and,
+    with ``labels [B, S]``, the model's own ``loss_function`` of those logits."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast  # loaded with any model
+
+    spans = real_spans(input_ids, attention_mask)
+    scored = [b for b, (lo, hi) in enumerate(spans) if hi > lo]
+    rows = backend.runner.logits([input_ids[b, slice(*spans[b])] for b in scored])
+    logits = backend.model.lm_head.weight.new_zeros(*input_ids.shape, backend.vocab_size)  # the step's dtype
+    for b, row_logits in zip(scored, rows):
+        logits[b, slice(*spans[b])] = row_logits
+    keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
+    logits = logits[:, keep]
+    model = backend.model
+    loss = None if labels is None else model.loss_function(logits, labels, model.config.vocab_size)
+    return MoeCausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def real_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Per row of ``input_ids [B, S]``, the ``[lo, hi)`` of its real tokens: where ``attention_mask``
+    is nonzero, which must be one contiguous run (a row with no real token scores nothing)."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be a [batch, seq] tensor, got {tuple(getattr(input_ids, 'shape', ()))}")
+    if attention_mask is None:
+        return [(0, input_ids.shape[1])] * input_ids.shape[0]
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, input_ids "
+                         f"{tuple(input_ids.shape)}")
+    spans = []
+    for b, row in enumerate(attention_mask.ne(0).cpu()):
+        real = row.nonzero()[:, 0].tolist()
+        if real and real[-1] - real[0] + 1 != len(real):
+            raise ValueError(f"attention_mask row {b}: the real tokens must be one contiguous run "
+                             "(left or right padding)")
+        spans.append((real[0], real[-1] + 1) if real else (0, 0))
+    return spans

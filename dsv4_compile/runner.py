@@ -1,0 +1,281 @@
+"""Continuous batching of a model on the backend: :class:`ModelRunner` (``score``, ``generate``).
+
+The runner is host code between steps. Every step is one ``EXTEND`` step of the model step
+(:meth:`ModelBackend.forward <dsv4_compile.model.ModelBackend.forward>` or its compiled version)
+that packs, within ``max_step_tokens`` rows: one token of every request that is decoding, then
+the next prefill chunk of requests whose tokens are not all in the cache yet, then the first chunk
+of newly admitted requests. Decodes and prefill chunks share a step because the step's math is the
+same for both (a decode is a one-token chunk), so the batch never waits for a prefill to finish and
+the compiled step sees one kind of step.
+
+Admission reserves capacity: a request joins the batch once a request row is free and the pages of
+its final length (``full``: one per 256 positions; ``SWA``: the window's pages, see
+:func:`pages_needed`) fit beside the reservations of the running requests. Running requests
+therefore never run out of pages: a request that does not fit now waits for earlier ones to finish,
+and one that can never fit is refused with ``ValueError`` before anything is written. The runner
+assumes it is the only user of the allocator while one of its calls runs.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import PAGE_SIZE, SWA_WINDOW
+from .sampling import check_sampling, sample_tokens
+from .step import REQUEST_BUCKETS, ForwardMode, StepInputs, bucket
+from .step_builder import StepBuilder
+from .validate import check_count
+
+if TYPE_CHECKING:
+    from .model import ModelBackend
+
+Step = Callable[[torch.Tensor, StepInputs, torch.Tensor], torch.Tensor]
+# consume(parts, logits): parts are (request, position of its first token in the step, rows of logits)
+Consume = Callable[[list[tuple["_Request", int, slice]], torch.Tensor], None]
+
+
+@dataclass
+class _Request:
+    index: int  # position in the caller's list
+    tokens: list[int]  # the tokens the cache takes (grows while generating)
+    length: int  # final length in the cache: admission reserves its pages
+    row: int = 0  # request row once admitted
+    fed: int = 0  # tokens already in the cache
+
+    @property
+    def left(self) -> int:
+        return len(self.tokens) - self.fed
+
+
+def pages_needed(length: int, max_step_tokens: int, max_draft_tokens: int) -> tuple[int, int]:
+    """``(full, swa)`` pages a request of ``length`` positions holds at most when every chunk has
+    at most ``max_step_tokens`` tokens: a full page per 256 positions; SWA pages for the window
+    (127 positions and the ``max_draft_tokens`` a rollback may bring back) plus one chunk, and one
+    for page alignment."""
+    full = -(-length // PAGE_SIZE)
+    return full, min(full, -(-(SWA_WINDOW - 1 + max_draft_tokens + max_step_tokens) // PAGE_SIZE) + 1)
+
+
+class ModelRunner(StepBuilder):
+    """Continuous batching over ``backend``'s allocator, running ``step_fn(input_ids, step,
+    logit_rows)`` (default: ``backend`` eager; pass :func:`~dsv4_compile.compile.compile_step`'s
+    result to run compiled). Steps have at most ``max_step_tokens`` real rows; ``bucketed`` pads them
+    as :class:`~dsv4_compile.step_builder.StepBuilder` does."""
+
+    def __init__(self, backend: "ModelBackend", *, step_fn: Step | None = None, max_step_tokens: int = 256,
+                 bucketed: bool = True):
+        super().__init__(backend.allocator, bucketed=bucketed)
+        self.backend = backend
+        self.step_fn = step_fn or backend
+        if check_count("max_step_tokens", max_step_tokens) < 1:
+            raise ValueError("max_step_tokens must be >= 1")
+        self.max_step_tokens = max_step_tokens
+
+    # -- public API ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def score(self, sequences: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """Teacher-forced log-probs: for each sequence of ``L >= 1`` tokens, fp32 ``[L - 1]`` whose
+        entry ``t`` is ``log p(token t+1 | tokens <= t)``, on the cache's device. The cache takes each
+        sequence's first ``L - 1`` tokens."""
+        seqs = self._token_lists("sequences", sequences)
+        targets = [torch.tensor(s, dtype=torch.int64, device=self.device) for s in seqs]
+        out: list[list[torch.Tensor]] = [[] for _ in seqs]
+
+        def consume(parts, logits):
+            for req, start, rows in parts:
+                logp = logits[rows].float().log_softmax(-1)
+                want = targets[req.index][start + 1:start + 1 + logp.shape[0]]
+                out[req.index].append(logp.gather(1, want[:, None])[:, 0])
+
+        requests = [_Request(i, s[:-1], len(s) - 1) for i, s in enumerate(seqs)]
+        self._serve("sequences", requests, consume, every_row=True)
+        return [torch.cat(p) if p else torch.zeros(0, device=self.device) for p in out]
+
+    @torch.no_grad()
+    def logits(self, sequences: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
+        """Logits of every position of each sequence (``[L, vocab]``, the model's dtype): row ``t``
+        predicts token ``t + 1``. The cache takes every token."""
+        seqs = self._token_lists("sequences", sequences)
+        out: list[list[torch.Tensor]] = [[] for _ in seqs]
+
+        def consume(parts, logits):
+            for req, _, rows in parts:
+                out[req.index].append(logits[rows].clone())
+
+        self._serve("sequences", [_Request(i, s, len(s)) for i, s in enumerate(seqs)], consume, every_row=True)
+        return [torch.cat(p) for p in out]
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
+                 temperature: float = 0.0, top_p: float = 1.0, stop_ids: Iterable[int] = (),
+                 seed: int | None = None) -> list[list[int]]:
+        """The new tokens of each prompt: up to ``max_new_tokens``, ending early after the first
+        token in ``stop_ids`` (which is included). ``temperature == 0`` is greedy; otherwise tokens are
+        drawn on the device (see :func:`~dsv4_compile.sampling.sample_tokens`) from a
+        ``torch.Generator`` seeded with ``seed`` (``None``: a random seed)."""
+        max_new_tokens = check_count("max_new_tokens", max_new_tokens)
+        temperature, top_p = check_sampling(temperature, top_p)
+        stops = set(self._token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
+        prompts = self._token_lists("prompts", prompts)
+        out: list[list[int]] = [[] for _ in prompts]
+        if max_new_tokens == 0:
+            return out
+        generator = torch.Generator(device=self.device)
+        if seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(seed)
+
+        def consume(parts, logits):
+            if not parts:
+                return
+            chosen = sample_tokens(logits[:len(parts)], temperature, top_p, generator).tolist()
+            for (req, _, _), token in zip(parts, chosen):
+                out[req.index].append(token)
+                if len(out[req.index]) < max_new_tokens and token not in stops:
+                    req.tokens.append(token)
+
+        requests = [_Request(i, p[:], len(p) + max_new_tokens - 1) for i, p in enumerate(prompts)]
+        self._serve("prompts (with max_new_tokens - 1 generated tokens)", requests, consume, every_row=False)
+        return out
+
+    @torch.no_grad()
+    def warmup(self) -> None:
+        """Run one step of every shape class a stream of requests can produce, so that a compiled
+        ``step_fn`` has all its frames afterwards: one request of one row, one request of several
+        rows, several requests — each with request, row and logit-row counts that differ, so that
+        no frame is specialised to two counts being equal. The steps run on throw-away requests,
+        released afterwards (their rows start clean when admitted again)."""
+        for counts, num_logits in (([1], 2), ([3], 2), ([3, 3], 3)):
+            rows = [self.admit() for _ in counts]
+            try:
+                step = self.build_step(ForwardMode.EXTEND, dict(zip(rows, counts)))
+                self.step_fn(self._ids([0] * step.num_tokens), step, self._ids([0] * num_logits))
+            finally:
+                for row in rows:
+                    self.release(row)
+
+    # -- the serving loop ----------------------------------------------------------------------
+    def _serve(self, name: str, requests: list[_Request], consume: Consume, *, every_row: bool) -> None:
+        """Run ``requests`` to completion. After each step, ``consume(parts, logits)`` gets the logits
+        of every fed row of each request in the step (``every_row``), or of the last row of each
+        request whose tokens are now all fed; a request with nothing left to feed afterwards is
+        finished and released. Raises ``ValueError`` before any step if a request can never fit."""
+        free = self._check_capacity(name, requests)
+        pending = deque(r for r in requests if r.left)
+        running: list[_Request] = []
+        try:
+            while pending or running:
+                plan = self._plan(pending, running, free)
+                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                ids, logit_rows, parts = self._step_inputs(step, plan, every_row)
+                logits = self.step_fn(ids, step, logit_rows)
+                for req, n in plan:
+                    req.fed += n
+                consume(parts, logits)
+                for req in [r for r in running if not r.left]:
+                    running.remove(req)
+                    self.release(req.row)
+                    free[:] = [f + n for f, n in zip(free, self._need(req))]
+        finally:
+            for req in running:
+                self.release(req.row)
+
+    def _plan(self, pending: deque[_Request], running: list[_Request], free: list[int]
+              ) -> list[tuple[_Request, int]]:
+        """This step's ``(request, tokens)``: decodes first, then prefill chunks of running requests,
+        then newly admitted requests, within ``max_step_tokens``. ``free``: the rows and pages left
+        beside the running requests' reservations (``[rows, full, swa]``), updated on admission."""
+        budget, plan = self.max_step_tokens, []
+        for req in sorted(running, key=lambda r: r.left > 1):
+            n = min(req.left, budget)
+            if n:
+                plan.append((req, n))
+                budget -= n
+        while pending and budget and self._reserve(pending[0], free):
+            req = pending.popleft()
+            req.row = self.admit()
+            running.append(req)
+            plan.append((req, min(req.left, budget)))
+            budget -= plan[-1][1]
+        return plan
+
+    def _need(self, req: _Request) -> tuple[int, int, int]:
+        """The request row and pages ``req`` reserves: ``(1, full, swa)``."""
+        return 1, *pages_needed(req.length, self.max_step_tokens, self.allocator.cache.config.max_draft_tokens)
+
+    def _reserve(self, req: _Request, free: list[int]) -> bool:
+        """Take ``req``'s reservation from ``free`` if it fits."""
+        need = self._need(req)
+        if any(n > f for n, f in zip(need, free)):
+            return False
+        free[:] = [f - n for f, n in zip(free, need)]
+        return True
+
+    def _check_capacity(self, name: str, requests: list[_Request]) -> list[int]:
+        """The rows and pages free now (``[rows, full, swa]``); ``ValueError`` naming the first
+        request that could not fit even alone."""
+        alloc, cache = self.allocator, self.allocator.cache
+        free = [cache.max_requests - len(alloc.active_rows), alloc.free_full_pages, alloc.free_swa_pages]
+        for req in requests:
+            if req.length > cache.max_seq_len:
+                raise ValueError(f"{name}[{req.index}] needs {req.length} positions in the cache, more than its "
+                                 f"max_seq_len={cache.max_seq_len}")
+            need = self._need(req)
+            if req.length and any(n > f for n, f in zip(need, free)):
+                raise ValueError(f"{name}[{req.index}] needs a request row, {need[1]} full and {need[2]} SWA "
+                                 f"pages; the cache has {free[0]}, {free[1]} and {free[2]} free")
+        return free
+
+    def _step_inputs(self, step: StepInputs, plan: list[tuple[_Request, int]], every_row: bool
+                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[_Request, int, slice]]]:
+        """``(input_ids [T], logit_rows [R >= 2], parts)`` of ``step``: the planned tokens (zeros on
+        padding rows) and the rows whose logits ``consume`` gets (see :meth:`_serve`). ``R`` is at
+        least 2 (padded with row 0) so that a compiled step is never specialised to one logit row,
+        and is bucketed like the request count when the step is."""
+        ids, rows, parts = [], [], []
+        for req, n in plan:
+            if every_row:
+                parts.append((req, req.fed, slice(len(ids), len(ids) + n)))
+            elif n == req.left:
+                parts.append((req, req.fed, slice(len(rows), len(rows) + 1)))
+                rows.append(len(ids) + n - 1)
+            ids += req.tokens[req.fed:req.fed + n]
+        if every_row:
+            rows = list(range(step.num_tokens)) if step.num_tokens > 1 else []
+        size = bucket(len(rows), REQUEST_BUCKETS) if self.bucketed and not every_row else len(rows)
+        rows += [0] * (max(2, size) - len(rows))
+        ids += [0] * (step.num_tokens - len(ids))
+        return self._ids(ids), self._ids(rows), parts
+
+    def _ids(self, values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=self.device)
+
+    def _token_lists(self, name: str, sequences, *, allow_empty: bool = False) -> list[list[int]]:
+        """``sequences`` (token sequences or 1-D integer tensors) as lists of ints in ``[0, vocab)``;
+        ``TypeError`` / ``ValueError`` naming the first bad one."""
+        if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):
+            raise TypeError(f"{name} must be a sequence of token sequences, got {type(sequences).__name__}")
+        vocab, result = self.backend.vocab_size, []
+        for i, seq in enumerate(sequences):
+            label = f"{name}[{i}]" if name != "stop_ids" else name
+            if isinstance(seq, torch.Tensor):
+                if seq.dim() != 1 or seq.is_floating_point() or seq.is_complex() or seq.dtype == torch.bool:
+                    raise TypeError(f"{label} must be a 1-D integer tensor, got {seq.dtype} {tuple(seq.shape)}")
+                seq = seq.tolist()
+            try:
+                tokens = [operator.index(t) for t in seq]
+            except TypeError:
+                raise TypeError(f"{label} must hold integer token ids") from None
+            if not tokens and not allow_empty:
+                raise ValueError(f"{label} is empty")
+            if any(not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"{label}: token ids must lie in [0, {vocab})")
+            result.append(tokens)
+        return result

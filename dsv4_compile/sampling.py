@@ -1,0 +1,35 @@
+"""Next-token choice on the device: greedy, or temperature / top-p (nucleus) sampling."""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_sampling(temperature: float, top_p: float) -> tuple[float, float]:
+    """``(temperature, top_p)`` as floats; ``temperature >= 0`` (0: greedy) and ``0 < top_p <= 1``."""
+    for name, value in (("temperature", temperature), ("top_p", top_p)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not temperature >= 0:
+        raise ValueError(f"temperature={temperature} must be >= 0 (0: greedy)")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p} must lie in (0, 1]")
+    return float(temperature), float(top_p)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: float, top_p: float,
+                  generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of ``logits [m, vocab]`` -> ``[m] int64``, on the logits' device.
+
+    ``temperature == 0``: the argmax. Otherwise a draw from ``softmax(logits / temperature)``
+    restricted to the smallest set of most likely tokens whose probability reaches ``top_p`` (the
+    most likely token always stays), drawn with ``generator``."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = (logits.float() / temperature).softmax(-1)
+    if top_p >= 1:
+        return torch.multinomial(probs, 1, generator=generator)[:, 0]
+    sorted_p, order = probs.sort(-1, descending=True)
+    before = sorted_p.cumsum(-1) - sorted_p  # mass of the tokens ranked above each one
+    kept = sorted_p * (before < top_p)
+    return order.gather(-1, torch.multinomial(kept, 1, generator=generator))[:, 0]

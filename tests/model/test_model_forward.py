@@ -1,0 +1,99 @@
+"""The model's own forward with the backend enabled: ``model(input_ids, attention_mask, labels)``
+on a padded batch, as evaluation harnesses call it; ``generate()`` (a cache passed) and
+``close()`` give the original forward."""
+
+import pytest
+import torch
+
+from dsv4_compile.model import enable
+from tests.model.conftest import load_tiny_hf
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+VOCAB = 512
+
+
+def ids_of(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def padded(rows: list[torch.Tensor], width: int, left: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(input_ids, attention_mask)`` ``[B, width]``, pad id 0."""
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.int64), torch.zeros(len(rows), width, dtype=torch.int64)
+    for b, row in enumerate(rows):
+        span = slice(width - row.shape[0], width) if left else slice(0, row.shape[0])
+        ids[b, span], mask[b, span] = row, 1
+    return ids, mask
+
+
+@pytest.fixture(autouse=True)
+def no_grad():
+    with torch.no_grad():
+        yield
+
+
+@pytest.fixture(scope="module")
+def backend(tiny_hf_dir):
+    return enable(load_tiny_hf(tiny_hf_dir), max_requests=2, max_seq_len=256)
+
+
+def test_padded_batch_scores_each_row_over_its_real_tokens(backend, tiny_hf):
+    """Three rows (more than the cache's two request rows), left and right padded: each row's
+    logits equal the row alone (measured: identical), are zeros on pads, and the loss is the
+    model's own loss function of those logits. transformers eager gives the same numbers with right
+    padding (within the FP8-cache noise: logits differ by a mean of about 0.01), not with left
+    padding: there its positions and compressor windows include the pads."""
+    rows = [ids_of(12, 1), ids_of(7, 2), ids_of(3, 3)]
+    alone = backend.runner.logits(rows)
+    out = {}
+    for left in (False, True):
+        ids, mask = padded(rows, 12, left)
+        labels = ids.masked_fill(mask == 0, -100)
+        out[left] = backend.model(ids, attention_mask=mask, labels=labels)
+        logits = out[left].logits
+        assert logits.shape == (3, 12, VOCAB) and logits.dtype == torch.bfloat16
+        for b, row in enumerate(rows):
+            real = slice(12 - row.shape[0], 12) if left else slice(0, row.shape[0])
+            torch.testing.assert_close(logits[b, real], alone[b], atol=0, rtol=0)
+            assert not logits[b].float().abs().sum(-1).eq(0)[real].any()
+            assert logits[b].float().abs().sum(-1).ne(0).sum() == row.shape[0]
+        want = backend.model.loss_function(logits, labels, VOCAB)
+        torch.testing.assert_close(out[left].loss, want)
+    assert not backend.allocator.active_rows
+
+    ids, mask = padded(rows, 12, left=False)
+    hf_right = tiny_hf(ids, attention_mask=mask).logits.float()
+    ids, mask = padded(rows, 12, left=True)
+    hf_left = tiny_hf(ids, attention_mask=mask).logits.float()
+    for b, row in enumerate(rows):
+        unpadded = tiny_hf(row.unsqueeze(0)).logits[0].float()
+        n = row.shape[0]
+        ours = alone[b].float()
+        assert (ours - hf_right[b, :n]).abs().mean() < 0.02
+        assert (unpadded - hf_right[b, :n]).abs().max() < 0.02  # right padding: the row alone (measured: 0)
+        if n < 12:
+            # left padding: not the row alone (measured: 0.18)
+            assert (unpadded - hf_left[b, 12 - n:]).abs().mean() > 0.1
+
+
+def test_a_cache_or_close_gives_the_original_forward(tiny_hf_dir, tiny_hf):
+    """``generate()`` passes a DynamicCache: the original forward runs (the same tokens as the
+    model without the backend); after ``close()`` the forward is the class's again."""
+    backend = enable(load_tiny_hf(tiny_hf_dir), max_requests=1, max_seq_len=256)
+    model, prompt = backend.model, ids_of(10, 4).unsqueeze(0)
+    want = tiny_hf.generate(prompt, max_new_tokens=3, do_sample=False)
+    torch.testing.assert_close(model.generate(prompt, max_new_tokens=3, do_sample=False), want, atol=0, rtol=0)
+    assert not torch.equal(model(prompt).logits, tiny_hf(prompt).logits)  # the backend's numbers
+    assert model(prompt, return_dict=False)[0].shape == (1, 10, VOCAB)
+    backend.close()
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(model(prompt).logits, tiny_hf(prompt).logits, atol=0, rtol=0)
+
+
+def test_an_attention_mask_with_holes_is_refused(backend):
+    ids = ids_of(6, 5).unsqueeze(0)
+    with pytest.raises(ValueError, match="attention_mask row 0: the real tokens must be one contiguous run"):
+        backend.model(ids, attention_mask=torch.tensor([[1, 1, 0, 1, 1, 1]]))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 5\), input_ids \(1, 6\)"):
+        backend.model(ids, attention_mask=torch.ones(1, 5))
+    assert not backend.allocator.active_rows
