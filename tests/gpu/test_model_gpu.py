@@ -4,12 +4,14 @@ step, and the backend against transformers' own eager forward.
 * ``compile_step(backend, mode="reduce-overhead")`` (one graph, CUDA-graph trees, torch's default
   Dynamo config) runs prefill, chunked prefill beside decode rows, decode at b = 2 and b = 1 and
   a request joining mid-run, each step beside the eager backend on a cache of its own: the logits
-  agree within bf16 / FP8 rounding, with no graph break, no cudagraph skip and at most
+  agree within bf16 / FP8 rounding (Inductor's fused elementwise work rounds differently from
+  eager; the same comparison with CPU Inductor: largest relative max error of a step 0.048, greedy
+  agreement 0.95 over the 41 rows), with no graph break, no cudagraph skip and at most
   ``MAX_FRAMES`` frames.
 * The eager backend and ``transformers`` eager (its own forward, no cache) on one 1,024-token
   prompt: the backend keeps an FP8 cache and ``transformers`` computes in bf16 without one, so
   the logits differ by rounding noise; the bounds are loose multiples of the figures the same
-  comparison gives on CPU (relative max error 0.053, greedy agreement 0.917).
+  comparison gives on CPU (relative max error 0.12 over all rows, greedy agreement 0.92).
 """
 
 import pytest
@@ -26,10 +28,10 @@ from tests.support.compile_checks import fresh_compile_state, graph_breaks
 pytestmark = pytest.mark.gpu
 M = ForwardMode
 DEVICE = "cuda"
-# compiled vs eager backend: relative max logit error per step, and greedy agreement over all rows
-COMPILED_RTOL, COMPILED_AGREE = 0.03, 0.95
-# backend vs transformers on 1,024 tokens (CPU: 0.053 and 0.917)
-HF_RTOL, HF_AGREE = 0.15, 0.8
+# compiled vs eager backend: relative max logit error of any step, greedy agreement over all rows
+COMPILED_RTOL, COMPILED_AGREE = 0.1, 0.85
+# backend vs transformers on 1,024 tokens: relative max logit error, greedy agreement
+HF_RTOL, HF_AGREE = 0.25, 0.8
 
 
 def _tiny_config() -> DeepseekV4Config:
@@ -70,7 +72,8 @@ class _Requests:
         (its last row's logits are asked for)."""
         alloc, device = self.backend.allocator, self.backend.cache.device
         for name in tokens:
-            self.rows.setdefault(name, alloc.admit())
+            if name not in self.rows:
+                self.rows[name] = alloc.admit()
         rows = [self.rows[n] for n in tokens]
         loc = torch.cat([alloc.extend(r, tokens[n]) for n, r in zip(tokens, rows)])
         step = StepInputs.make(mode, rows, [alloc.seq_len(r) for r in rows], list(tokens.values()), loc,
