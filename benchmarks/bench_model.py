@@ -7,6 +7,10 @@ Usage:
     python benchmarks/bench_model.py --tiny --device cpu                 # smoke check, any machine
     python benchmarks/bench_model.py --replot run.json --plot run.png    # plot a saved run
 
+``--skip-compile-time`` leaves out the two compile processes (most of a run's time);
+``--compile-time-only`` runs only them. ``--skip-hf-eager`` / ``--hf-max-batch`` leave out or cap
+the transformers eager way.
+
 The model: ``DeepseekV4ForCausalLM`` with the Flash preset's attention dimensions (hidden 4096,
 64 heads of 512, q rank 1024, 8 output groups of rank 1024, indexer 64 heads x 128, top-k 512,
 window 128, compressed-branch RoPE with YaRN as the released Flash config), a few layers of every
@@ -96,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--ways", default=",".join(WAYS))
     p.add_argument("--skip-hf-eager", action="store_true")
     p.add_argument("--skip-compile-time", action="store_true", help="no cold / warm compile processes")
+    p.add_argument("--compile-time-only", action="store_true", help="only the cold / warm compile processes")
     p.add_argument("--tiny", action="store_true", help="hidden 256, 8 heads, vocab 512: a CPU smoke check")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -401,6 +406,8 @@ def run(args) -> dict:
           f"routed experts {parts['experts'] / 2**30:.2f})", flush=True)
     if "hf_eager" in args.ways:
         measure_hf(model, args, results)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # transformers' prefill activations
     backend = make_backend(model, args, _ints(args.batches) + _ints(args.prefill_batches))
     if "backend_eager" in args.ways:
         measure_backend(backend, "backend_eager", backend, args, results)
@@ -430,12 +437,16 @@ def summarize(results: dict, config: DeepseekV4Config, args) -> dict:
         row.update({f"{w}_tok_s": 1e6 * b / t for w, t in times.items() if t})
         row.update({f"{w}_hbm_tbps": read / t / 1e6 for w, t in times.items() if t})
         decode.append(_ratios(row, times))
-    return {"device": _device_name(args.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "args": {k: v for k, v in vars(args).items()},
-            "weights": parts, "compile": results["compile"],
+    return {**header(args), "weights": parts, "compile": results["compile"],
             "hf_experts_implementation": results.get("hf_experts_implementation"),
             "compiled_counters": results.get("compiled_counters"),
             "prefill": prefill, "decode": decode}
+
+
+def header(args) -> dict:
+    """What every results file starts with: device, versions, date, arguments."""
+    return {"device": _device_name(args.device), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "args": vars(args)}
 
 
 def _ratios(row: dict, times: dict) -> dict:
@@ -489,10 +500,10 @@ def plot(res: dict, png: str) -> None:
             pts = [(r["batch"], r[f"{way}_tok_s"]) for r in rows if r.get(f"{way}_tok_s")]
             if pts:
                 ax.plot(*zip(*pts), marker="o", label=way)
-    batches = [r["batch"] for r in res["decode"]]
-    dec.plot(batches, [1e6 * b / r["floor_us"] for b, r in zip(batches, res["decode"])], "k--", label="floor (all weights)")
-    dec.plot(batches, [1e6 * b / r["floor_read_us"] for b, r in zip(batches, res["decode"])], "k:",
-             label="floor (weights read)")
+    for key, style, label in (("floor_us", "k--", "floor (all weights)"),
+                              ("floor_read_us", "k:", "floor (weights read)")):
+        dec.plot([r["batch"] for r in res["decode"]], [1e6 * r["batch"] / r[key] for r in res["decode"]], style,
+                 label=label)
     dec.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
             title=f"decode, prompt {res['args']['prompt_len']}")
     pre.set(xscale="log", yscale="log", xlabel="prompts per step", ylabel="prefill tokens/s",
@@ -515,14 +526,15 @@ def main() -> None:
             print(PROBE_TAG + json.dumps(compile_probe(args)), flush=True)
         return
     start = time.perf_counter()
-    res = run(args)
+    res = {**header(args), "compile": compile_times(args)} if args.compile_time_only else run(args)
     res["run_s"] = time.perf_counter() - start
-    print_tables(res)
+    if not args.compile_time_only:
+        print_tables(res)
     print(f"whole run: {res['run_s']:.0f} s")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(res, f, indent=1)
-    if args.plot:
+    if args.plot and not args.compile_time_only:
         plot(res, args.plot)
 
 

@@ -53,8 +53,8 @@ def model():
 
 def _scenario():
     """Steps as (mode, {request name: tokens}): prefill of two requests, b's chunked prefill beside
-    a's decode, decode (b = 2, crossing c4 window ends and a page end), c joining with a prompt
-    beside decode rows, decode of three, then of one (the T = 1 frame)."""
+    a's decode (across the 512 page end), decode (b = 2, across c4 window ends), c joining with a
+    prompt beside decode rows, decode of three, then of one (the T = 1 frame)."""
     steps = [(M.EXTEND, {"a": 300, "b": 256}), (M.EXTEND, {"a": 1, "b": 256}), (M.EXTEND, {"a": 1, "b": 88})]
     steps += [(M.DECODE, {"a": 1, "b": 1})] * 8
     steps += [(M.EXTEND, {"a": 1, "b": 1, "c": 100})] + [(M.DECODE, {"a": 1, "b": 1, "c": 1})] * 4
@@ -62,10 +62,10 @@ def _scenario():
 
 
 class _Requests:
-    """One backend's requests of the scenario: token histories and the step inputs of each step."""
+    """One backend's requests of the scenario (name -> request row) and the inputs of each step."""
 
-    def __init__(self, backend: ModelBackend, gen: torch.Generator):
-        self.backend, self.gen, self.rows = backend, gen, {}
+    def __init__(self, backend: ModelBackend):
+        self.backend, self.rows = backend, {}
 
     def inputs(self, mode: ForwardMode, tokens: dict[str, int], ids: dict[str, torch.Tensor]):
         """``(input_ids, step, logit_rows)`` of one step: ``ids`` the new tokens of each request
@@ -89,7 +89,7 @@ def _run_side_by_side(model, fn_for) -> list[tuple[torch.Tensor, torch.Tensor]]:
     gen = torch.Generator().manual_seed(1)
     eager, other = (enable(model, max_requests=4, max_seq_len=1024) for _ in range(2))
     fn = fn_for(other)
-    reqs = _Requests(eager, gen), _Requests(other, gen)
+    reqs = _Requests(eager), _Requests(other)
     ids, out = {}, []
     for mode, tokens in _scenario():
         new = {n: ids[n] if n in ids and t == 1 else torch.randint(0, 512, (t,), generator=gen)
