@@ -1,0 +1,542 @@
+"""Whole-model speed: a transformers DeepSeek V4 model, its own eager code against the backend,
+eager and compiled, side by side in one run.
+
+Usage:
+    python benchmarks/bench_model.py --out benchmarks/results/bench_model_<date>.json \\
+        --plot benchmarks/results/bench_model_<date>.png                  # on a CUDA machine
+    python benchmarks/bench_model.py --tiny --device cpu                 # smoke check, any machine
+    python benchmarks/bench_model.py --replot run.json --plot run.png    # plot a saved run
+
+``--skip-compile-time`` leaves out the two compile processes (most of a run's time);
+``--compile-time-only`` runs only them. ``--skip-hf-eager`` / ``--hf-max-batch`` leave out or cap
+the transformers eager way.
+
+The model: ``DeepseekV4ForCausalLM`` with the Flash preset's attention dimensions (hidden 4096,
+64 heads of 512, q rank 1024, 8 output groups of rank 1024, indexer 64 heads x 128, top-k 512,
+window 128, compressed-branch RoPE with YaRN as the released Flash config), a few layers of every
+type (``--layers``: compression ratios, default sliding / CSA / HCA / CSA), the MoE shrunk
+(``--experts`` of ``--expert-dim``, ``--active-experts`` per token), the full vocabulary; bf16
+with the modules transformers keeps in fp32 in fp32, random weights drawn on the device.
+
+Ways (the same model and weights):
+    hf_eager       transformers' own forward with its DynamicCache, one token per step
+                   (``model(ids, past_key_values=cache, use_cache=True)``), as a generate loop runs it
+    backend_eager  the model on the backend, eager: ``backend(input_ids, step, logit_rows)``
+    compiled       ``compile_step(backend, mode="reduce-overhead")``: one graph, CUDA graphs
+
+Measured:
+    prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
+               logits of each prompt's last token; median over ``--prefill-iters`` timed calls
+               after one warm-up (two for compiled), fresh requests each call
+    decode     each request's prompt is prefilled first (backend: eager steps of at most
+               ``--fill-tokens`` tokens; transformers: chunks of that many tokens over the batch),
+               then ``--warmup`` + ``--steps`` greedy decode steps of one token per request; the
+               time per step is the CUDA-event time of the ``--steps`` timed steps over their count
+               (step inputs built before timing, next tokens chosen on the device)
+    compile    first-call wall time of each frame of ``compile_step`` (prefill b = 1, decode b = 1,
+               decode b = 2) in a fresh process with empty Inductor and Triton caches (cold), then
+               in a second fresh process with the caches the first one filled (warm)
+    bandwidth  weight bytes a decode step reads / its time (gpt-fast style): every parameter except
+               the embedding table (b rows of it are read), and of each MoE layer's routed experts
+               the expected number a batch of b uniformly routed tokens reaches; the floors divide
+               all parameter bytes, and the bytes read, by ``--hbm-tbps``
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+import transformers
+from torch._dynamo.utils import counters
+from transformers import DeepseekV4Config, DynamicCache
+
+from dsv4_compile.compile import compile_step
+from dsv4_compile.config import PAGE_SIZE
+from dsv4_compile.model import ModelBackend, enable
+from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.testing.random_model import random_hf_model
+
+WAYS = ("hf_eager", "backend_eager", "compiled")
+LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+# The released Flash config's compressed-branch RoPE (the main branch has no scaling).
+FLASH_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
+              "beta_fast": 32.0, "beta_slow": 1.0}
+FLASH_DIMS = dict(vocab_size=129280, hidden_size=4096, num_attention_heads=64, head_dim=512, q_lora_rank=1024,
+                  o_groups=8, o_lora_rank=1024, index_n_heads=64, index_head_dim=128, index_topk=512,
+                  sliding_window=128)
+TINY_DIMS = dict(FLASH_DIMS, vocab_size=512, hidden_size=256, num_attention_heads=8, q_lora_rank=128,
+                 o_groups=2, o_lora_rank=64, index_n_heads=8, index_topk=64)
+# --tiny: defaults of a CPU smoke run (explicit flags still win); prefill only at b = 2 so that the
+# compiled way compiles two frames (b >= 2, and decode b = 1), not three
+TINY_RUN = dict(layers="0,4,128", experts=4, expert_dim=128, prompt_len=256, batches="1,2",
+                prefill_batches="2", steps=3, prefill_iters=1)
+PROBE_TAG = "COMPILE_PROBE "
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", help="compression ratio of each layer (0 sliding, 4 CSA, 128 HCA); default 0,4,128,4")
+    p.add_argument("--experts", type=int, help="routed experts per MoE layer (default 8)")
+    p.add_argument("--expert-dim", type=int, help="intermediate size of each expert (default 2048)")
+    p.add_argument("--active-experts", type=int, default=2, help="routed experts per token")
+    p.add_argument("--prompt-len", type=int, help="tokens of each prompt (default 4096)")
+    p.add_argument("--batches", help="decode batch sizes (default 1,8,64)")
+    p.add_argument("--prefill-batches", help="prompts per prefill step (default 1,8)")
+    p.add_argument("--steps", type=int, help="timed decode steps (default 32)")
+    p.add_argument("--warmup", type=int, default=3, help="decode steps before timing")
+    p.add_argument("--prefill-iters", type=int, help="timed prefill calls (default 3)")
+    p.add_argument("--fill-tokens", type=int, default=32768, help="most tokens per step while filling the cache")
+    p.add_argument("--hf-max-batch", type=int, default=None, help="largest decode batch run through hf_eager")
+    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--skip-hf-eager", action="store_true")
+    p.add_argument("--skip-compile-time", action="store_true", help="no cold / warm compile processes")
+    p.add_argument("--compile-time-only", action="store_true", help="only the cold / warm compile processes")
+    p.add_argument("--tiny", action="store_true", help="hidden 256, 8 heads, vocab 512: a CPU smoke check")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
+    p.add_argument("--out", help="write the results as JSON")
+    p.add_argument("--plot", help="write a PNG of the results")
+    p.add_argument("--replot", help="plot a saved JSON (with --plot) instead of running")
+    p.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    defaults = dict(layers="0,4,128,4", experts=8, expert_dim=2048, prompt_len=4096, batches="1,8,64",
+                    prefill_batches="1,8", steps=32, prefill_iters=3)
+    for name, value in {**defaults, **(TINY_RUN if args.tiny else {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.ways = [w for w in args.ways.split(",") if not (args.skip_hf_eager and w == "hf_eager")]
+    if unknown := set(args.ways) - set(WAYS):
+        p.error(f"--ways: unknown {sorted(unknown)}; choose from {WAYS}")
+    return args
+
+
+def _ints(csv: str) -> list[int]:
+    return [int(v) for v in csv.split(",")]
+
+
+# -- model -----------------------------------------------------------------------------------------
+
+def model_config(args) -> DeepseekV4Config:
+    """The benchmarked ``DeepseekV4Config``: Flash attention dimensions (tiny ones with ``--tiny``),
+    ``--layers`` / ``--experts`` / ``--expert-dim`` / ``--active-experts``, Flash defaults otherwise."""
+    ratios = _ints(args.layers)
+    if unknown := set(ratios) - set(LAYER_TYPES):
+        raise SystemExit(f"--layers: ratios must be in {sorted(LAYER_TYPES)}, got {sorted(unknown)}")
+    return DeepseekV4Config(**(TINY_DIMS if args.tiny else FLASH_DIMS), num_hidden_layers=len(ratios),
+                            layer_types=[LAYER_TYPES[r] for r in ratios], n_routed_experts=args.experts,
+                            num_experts_per_tok=args.active_experts, moe_intermediate_size=args.expert_dim,
+                            rope_parameters=dict(FLASH_YARN))
+
+
+def weight_bytes(model) -> dict[str, int]:
+    """Parameter bytes: ``total``, ``embedding`` (the input table), ``experts`` (routed, all layers)."""
+    parts = {"total": 0, "embedding": 0, "experts": 0}
+    for name, p in model.named_parameters():
+        n = p.numel() * p.element_size()
+        parts["total"] += n
+        parts["embedding"] += n * name.endswith("embed_tokens.weight")
+        parts["experts"] += n * (".mlp.experts." in name)
+    return parts
+
+
+def decode_read_bytes(parts: dict[str, int], config: DeepseekV4Config, batch: int) -> float:
+    """Weight bytes one decode step of ``batch`` tokens reads: all but the embedding table, with each
+    MoE layer's routed experts scaled by the expected fraction that ``batch`` tokens routed
+    uniformly to ``top_k`` of ``E`` experts reach, ``1 - (1 - top_k / E) ** batch``."""
+    e, k = config.n_routed_experts, config.num_experts_per_tok
+    reached = 1.0 - (1.0 - k / e) ** batch
+    return parts["total"] - parts["embedding"] - parts["experts"] * (1.0 - reached)
+
+
+def prompts(config: DeepseekV4Config, batch: int, length: int, seed: int, device) -> torch.Tensor:
+    """``[batch, length]`` int64 random token ids, seeded by ``seed`` and ``batch``."""
+    gen = torch.Generator().manual_seed(seed * 1000 + batch)
+    return torch.randint(0, config.vocab_size, (batch, length), generator=gen).to(device)
+
+
+# -- timing ----------------------------------------------------------------------------------------
+
+def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds ``fn()`` takes on ``device``: CUDA events around it on CUDA (the device timeline,
+    host gaps included), wall time otherwise."""
+    if device.type != "cuda":
+        start = time.perf_counter()
+        fn()
+        return 1e3 * (time.perf_counter() - start)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def wall_s(fn: Callable[[], object], device: torch.device) -> float:
+    """Wall seconds of ``fn()`` including the device work it queued."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+# -- transformers eager ----------------------------------------------------------------------------
+
+def hf_forward(model, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
+    """One forward of ``ids [b, S]`` appended to ``cache``; the next greedy tokens ``[b, 1]``."""
+    logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1].argmax(-1, keepdim=True)
+
+
+def hf_prefill_ms(model, tokens: torch.Tensor) -> float:
+    """One prefill forward of the whole prompts ``tokens [b, P]`` into a fresh cache."""
+    return elapsed_ms(lambda: hf_forward(model, tokens, DynamicCache(config=model.config)), tokens.device)
+
+
+def hf_decode_us(model, tokens: torch.Tensor, args) -> float:
+    """µs per decode step after prefilling ``tokens [b, P]`` in chunks of at most ``--fill-tokens``
+    tokens over the batch (a multiple of 128 per prompt)."""
+    b, length = tokens.shape
+    chunk = min(length, max(128, args.fill_tokens // b // 128 * 128))
+    cache = DynamicCache(config=model.config)
+    for lo in range(0, length, chunk):
+        ids = hf_forward(model, tokens[:, lo:lo + chunk], cache)
+    for _ in range(args.warmup):
+        ids = hf_forward(model, ids, cache)
+
+    def steps():
+        nonlocal ids
+        for _ in range(args.steps):
+            ids = hf_forward(model, ids, cache)
+
+    return 1e3 * elapsed_ms(steps, tokens.device) / args.steps
+
+
+# -- the backend -----------------------------------------------------------------------------------
+
+StepFn = Callable[[torch.Tensor, StepInputs, torch.Tensor], torch.Tensor]
+
+
+def logit_rows(rows: list[int], device) -> torch.Tensor:
+    """``rows`` as int64, padded with row 0 to at least 2 rows (a compiled step keeps R >= 2)."""
+    return torch.tensor(rows + [0] * (2 - len(rows)), dtype=torch.int64, device=device)
+
+
+def prefill_inputs(backend: ModelBackend, tokens: torch.Tensor) -> tuple[list[int], tuple]:
+    """Admit one request per prompt of ``tokens [b, P]`` and allocate its positions; returns the
+    rows and ``(input_ids, step, logit_rows)`` of one prefill step over all of them."""
+    alloc, device = backend.allocator, tokens.device
+    b, length = tokens.shape
+    rows = [alloc.admit() for _ in range(b)]
+    loc = torch.cat([alloc.extend(r, length) for r in rows])
+    step = StepInputs.make(ForwardMode.EXTEND, rows, [length] * b, [length] * b, loc, device=device)
+    last = logit_rows([(i + 1) * length - 1 for i in range(b)], device)
+    return rows, (tokens.reshape(-1), step, last)
+
+
+def backend_prefill_ms(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, calls: int) -> list[float]:
+    """Times of ``calls`` prefill steps of ``tokens [b, P]``, each over fresh requests."""
+    times = []
+    for _ in range(calls):
+        rows, inputs = prefill_inputs(backend, tokens)
+        times.append(elapsed_ms(lambda: fn(*inputs), tokens.device))
+        for r in rows:
+            backend.allocator.free(r)
+    return times
+
+
+def fill(backend: ModelBackend, tokens: torch.Tensor, max_tokens: int) -> tuple[list[int], torch.Tensor]:
+    """Prefill one request per prompt of ``tokens [b, P]`` with eager steps of at most
+    ``max_tokens`` tokens (whole prompts); returns the rows and each one's next token ``[b]``."""
+    b, length = tokens.shape
+    group = max(1, max_tokens // length)
+    rows, next_ids = [], []
+    for lo in range(0, b, group):
+        new_rows, inputs = prefill_inputs(backend, tokens[lo:lo + group])
+        rows += new_rows
+        next_ids.append(backend(*inputs)[:len(new_rows)].argmax(-1))
+    return rows, torch.cat(next_ids)
+
+
+def decode_steps(backend: ModelBackend, rows: list[int], count: int) -> list[StepInputs]:
+    """``count`` consecutive decode steps of one token per request of ``rows``, positions
+    allocated now (so building a step costs nothing while timing)."""
+    alloc, device = backend.allocator, backend.cache.device
+    start = [alloc.seq_len(r) for r in rows]
+    loc = torch.stack([alloc.extend(r, count) for r in rows], dim=1)  # [count, b]
+    return [StepInputs.make(ForwardMode.DECODE, rows, [n + k + 1 for n in start], [1] * len(rows), loc[k],
+                            device=device) for k in range(count)]
+
+
+def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, args) -> float:
+    """µs per decode step of ``fn`` after filling one request per prompt of ``tokens [b, P]``."""
+    b = tokens.shape[0]
+    rows, ids = fill(backend, tokens, args.fill_tokens)
+    steps = decode_steps(backend, rows, args.warmup + args.steps)
+    out_rows = logit_rows(list(range(b)), tokens.device)
+
+    def run(some):
+        nonlocal ids
+        for step in some:
+            ids = fn(ids, step, out_rows)[:b].argmax(-1)
+
+    run(steps[:args.warmup])
+    us = 1e3 * elapsed_ms(lambda: run(steps[args.warmup:]), tokens.device) / args.steps
+    for r in rows:
+        backend.allocator.free(r)
+    return us
+
+
+def make_backend(model, args, batches: list[int]) -> ModelBackend:
+    """The backend with room for the largest batch at prompt + decode length."""
+    need = args.prompt_len + args.warmup + args.steps + 1
+    return enable(model, max_requests=max(batches), max_seq_len=-(-need // PAGE_SIZE) * PAGE_SIZE)
+
+
+# -- compile time ----------------------------------------------------------------------------------
+
+def compile_probe(args) -> dict[str, float]:
+    """First-call wall seconds of each frame of a fresh ``compile_step`` (run in its own process):
+    prefill b = 1, decode b = 1, decode b = 2."""
+    device = torch.device(args.device)
+    model = random_hf_model(model_config(args), seed=args.seed, device=device)
+    backend = make_backend(model, args, [2])
+    fn = compile_step(backend, mode="reduce-overhead")
+    tokens = prompts(model.config, 2, args.prompt_len, args.seed, device)
+    first, inputs = prefill_inputs(backend, tokens[:1])
+    times = {"prefill_b1": wall_s(lambda: fn(*inputs), device)}
+    step = decode_steps(backend, first, 1)[0]
+    times["decode_b1"] = wall_s(lambda: fn(tokens[0, :1], step, logit_rows([0], device)), device)
+    second, inputs = prefill_inputs(backend, tokens[1:])
+    fn(*inputs)  # the prefill frame again
+    step = decode_steps(backend, first + second, 1)[0]
+    times["decode_b2"] = wall_s(lambda: fn(tokens[:, 0], step, logit_rows([0, 1], device)), device)
+    times["total"] = sum(times.values())
+    return times
+
+
+def compile_times(args) -> dict[str, dict[str, float]]:
+    """Cold and warm compile times: :func:`compile_probe` in two fresh processes sharing new, empty
+    Inductor and Triton cache directories."""
+    cache = tempfile.mkdtemp(prefix="bench_model_inductor_")
+    dirs = {"TORCHINDUCTOR_CACHE_DIR": cache, "TRITON_CACHE_DIR": os.path.join(cache, "triton")}
+    result = {"cache_dir": cache}
+    for kind in ("cold", "warm"):
+        proc = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--compile-probe"],
+                              env={**os.environ, **dirs}, capture_output=True, text=True)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(PROBE_TAG)]
+        if proc.returncode or not lines:
+            raise RuntimeError(f"compile probe ({kind}) failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+        result[kind] = json.loads(lines[-1][len(PROBE_TAG):])
+        print(f"compile {kind}: " + "  ".join(f"{k} {v:.1f}s" for k, v in result[kind].items()), flush=True)
+    os.environ.update(dirs)  # this process compiles warm too: its timings are not compile times
+    return result
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+def measure_hf(model, args, results: dict) -> None:
+    """The transformers eager rows of ``results`` (run before the backend changes the experts
+    implementation); a batch that runs out of memory is recorded as None."""
+    device = torch.device(args.device)
+    results["hf_experts_implementation"] = model.config._experts_implementation
+    for b in _ints(args.prefill_batches):
+        tokens = prompts(model.config, b, args.prompt_len, args.seed, device)
+        results["prefill"][b]["hf_eager"] = _unless_oom(
+            lambda: statistics.median([hf_prefill_ms(model, tokens) for _ in range(1 + args.prefill_iters)][1:]))
+        _report("prefill", b, "hf_eager", results["prefill"][b]["hf_eager"], "ms")
+    for b in _ints(args.batches):
+        if args.hf_max_batch is not None and b > args.hf_max_batch:
+            continue
+        tokens = prompts(model.config, b, args.prompt_len, args.seed, device)
+        results["decode"][b]["hf_eager"] = _unless_oom(lambda: hf_decode_us(model, tokens, args))
+        _report("decode", b, "hf_eager", results["decode"][b]["hf_eager"], "us/step")
+
+
+def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: dict) -> None:
+    """The ``way`` rows of ``results``: prefill, then decode at each batch size."""
+    device = torch.device(args.device)
+    warm = 2 if way == "compiled" else 1  # CUDA-graph trees: a warm-up run, then the recording
+    for b in _ints(args.prefill_batches):
+        tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
+        ms = statistics.median(backend_prefill_ms(backend, fn, tokens, warm + args.prefill_iters)[warm:])
+        results["prefill"][b][way] = ms
+        _report("prefill", b, way, ms, "ms")
+    for b in _ints(args.batches):
+        tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
+        results["decode"][b][way] = us = backend_decode_us(backend, fn, tokens, args)
+        _report("decode", b, way, us, "us/step")
+
+
+def _unless_oom(fn: Callable[[], float]) -> float | None:
+    try:
+        return fn()
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
+
+
+def _report(kind: str, b: int, way: str, value: float | None, unit: str) -> None:
+    print(f"{kind:8s} b {b:>3} {way:14s} " + ("out of memory" if value is None else f"{value:10.1f} {unit}"),
+          flush=True)
+
+
+def run(args) -> dict:
+    device = torch.device(args.device)
+    results = {"compile": None if args.skip_compile_time or "compiled" not in args.ways else compile_times(args)}
+    torch.set_grad_enabled(False)
+    model = random_hf_model(model_config(args), seed=args.seed, device=device)
+    parts = weight_bytes(model)
+    results.update(weights=parts, prefill={b: {} for b in _ints(args.prefill_batches)},
+                   decode={b: {} for b in _ints(args.batches)})
+    print(f"parameters {parts['total'] / 2**30:.2f} GiB (embedding {parts['embedding'] / 2**30:.2f}, "
+          f"routed experts {parts['experts'] / 2**30:.2f})", flush=True)
+    if "hf_eager" in args.ways:
+        measure_hf(model, args, results)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # transformers' prefill activations
+    backend = make_backend(model, args, _ints(args.batches) + _ints(args.prefill_batches))
+    if "backend_eager" in args.ways:
+        measure_backend(backend, "backend_eager", backend, args, results)
+    if "compiled" in args.ways:
+        counters.clear()
+        measure_backend(backend, "compiled", compile_step(backend, mode="reduce-overhead"), args, results)
+        results["compiled_counters"] = {"frames": counters["stats"]["unique_graphs"],
+                                        "graph_breaks": sum(counters["graph_break"].values()),
+                                        "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
+        print("compiled:", results["compiled_counters"], flush=True)
+    return summarize(results, model.config, args)
+
+
+def summarize(results: dict, config: DeepseekV4Config, args) -> dict:
+    """Rows of tokens/s, bandwidth, floors and compiled-vs-others ratios from the raw times."""
+    parts, bps = results["weights"], args.hbm_tbps * 1e12
+    floor_us = 1e6 * parts["total"] / bps
+    prefill, decode = [], []
+    for b, times in results["prefill"].items():
+        row = {"batch": b, "tokens": b * args.prompt_len, **{f"{w}_ms": t for w, t in times.items()}}
+        row.update({f"{w}_tok_s": 1e3 * b * args.prompt_len / t for w, t in times.items() if t})
+        prefill.append(_ratios(row, times))
+    for b, times in results["decode"].items():
+        read = decode_read_bytes(parts, config, b)
+        row = {"batch": b, **{f"{w}_us": t for w, t in times.items()}, "floor_us": floor_us,
+               "floor_read_us": 1e6 * read / bps}
+        row.update({f"{w}_tok_s": 1e6 * b / t for w, t in times.items() if t})
+        row.update({f"{w}_hbm_tbps": read / t / 1e6 for w, t in times.items() if t})
+        decode.append(_ratios(row, times))
+    return {**header(args), "weights": parts, "compile": results["compile"],
+            "hf_experts_implementation": results.get("hf_experts_implementation"),
+            "compiled_counters": results.get("compiled_counters"),
+            "prefill": prefill, "decode": decode}
+
+
+def header(args) -> dict:
+    """What every results file starts with: device, versions, date, arguments."""
+    return {"device": _device_name(args.device), "torch": torch.__version__, "transformers": transformers.__version__,
+            "date": datetime.date.today().isoformat(), "args": vars(args)}
+
+
+def _ratios(row: dict, times: dict) -> dict:
+    """``compiled_vs_<way>``: the other way's time over the compiled time (> 1: compiled is faster)."""
+    if times.get("compiled"):
+        for way, t in times.items():
+            if way != "compiled" and t:
+                row[f"compiled_vs_{way}"] = t / times["compiled"]
+    return row
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
+
+
+def print_tables(res: dict) -> None:
+    ways = [w for w in WAYS if any(f"{w}_us" in r for r in res["decode"])]
+    print(f"\n{res['device']}, torch {res['torch']}, transformers {res['transformers']}, "
+          f"parameters {res['weights']['total'] / 2**30:.2f} GiB")
+    print("decode  b | " + " | ".join(f"{w} us (tok/s)" for w in ways) + " | floor us (read) | compiled TB/s | "
+          + " | ".join(f"compiled vs {w}" for w in ways if w != "compiled"))
+    for r in res["decode"]:
+        cells = [_cell(r.get(f"{w}_us"), r.get(f"{w}_tok_s")) for w in ways]
+        print(f"{r['batch']:>9} | " + " | ".join(cells) + f" | {r['floor_us']:.0f} ({r['floor_read_us']:.0f}) | "
+              + _num(r.get("compiled_hbm_tbps"), ".2f") + " | "
+              + " | ".join(_num(r.get(f"compiled_vs_{w}"), ".1f", "x") for w in ways if w != "compiled"))
+    print("prefill b | " + " | ".join(f"{w} ms (tok/s)" for w in ways))
+    for r in res["prefill"]:
+        print(f"{r['batch']:>9} | " + " | ".join(_cell(r.get(f"{w}_ms"), r.get(f"{w}_tok_s")) for w in ways))
+    if res["compile"]:
+        print("compile s (first call per frame): cold " + json.dumps(res["compile"]["cold"])
+              + ", warm " + json.dumps(res["compile"]["warm"]))
+
+
+def _cell(t: float | None, rate: float | None) -> str:
+    return "—" if t is None else f"{t:.1f} ({rate:.0f})"
+
+
+def _num(v: float | None, fmt: str, suffix: str = "") -> str:
+    return "—" if v is None else f"{v:{fmt}}{suffix}"
+
+
+def plot(res: dict, png: str) -> None:
+    """Decode and prefill tokens/s per way against the batch size; decode with the weight floors."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (dec, pre) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for way in WAYS:
+        for ax, rows in ((dec, res["decode"]), (pre, res["prefill"])):
+            pts = [(r["batch"], r[f"{way}_tok_s"]) for r in rows if r.get(f"{way}_tok_s")]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=way)
+    for key, style, label in (("floor_us", "k--", "floor (all weights)"),
+                              ("floor_read_us", "k:", "floor (weights read)")):
+        dec.plot([r["batch"] for r in res["decode"]], [1e6 * r["batch"] / r[key] for r in res["decode"]], style,
+                 label=label)
+    dec.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
+            title=f"decode, prompt {res['args']['prompt_len']}")
+    pre.set(xscale="log", yscale="log", xlabel="prompts per step", ylabel="prefill tokens/s",
+            title=f"prefill, {res['args']['prompt_len']}-token prompts")
+    for ax in (dec, pre):
+        ax.legend(fontsize=8)
+    fig.suptitle(f"DeepSeek V4 model ({res['weights']['total'] / 2**30:.1f} GiB), {res['device']}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+
+
+def main() -> None:
+    args = parse_args()
+    if args.replot:
+        with open(args.replot) as f:
+            plot(json.load(f), args.plot or args.replot.removesuffix(".json") + ".png")
+        return
+    if args.compile_probe:
+        with torch.no_grad():
+            print(PROBE_TAG + json.dumps(compile_probe(args)), flush=True)
+        return
+    start = time.perf_counter()
+    res = {**header(args), "compile": compile_times(args)} if args.compile_time_only else run(args)
+    res["run_s"] = time.perf_counter() - start
+    if not args.compile_time_only:
+        print_tables(res)
+    print(f"whole run: {res['run_s']:.0f} s")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(res, f, indent=1)
+    if args.plot and not args.compile_time_only:
+        plot(res, args.plot)
+
+
+if __name__ == "__main__":
+    main()
