@@ -24,9 +24,8 @@ import contextlib
 import functools
 from typing import TYPE_CHECKING
 
-from .hf_cache import DSV4PagedCache
-
 if TYPE_CHECKING:
+    from .hf_cache import DSV4PagedCache
     from .model import ModelBackend
 
 _OVERRIDES = ("_prepare_cache_for_generation", "generate", "_is_stateful", "_optimize_model_for_decode")
@@ -34,9 +33,11 @@ _OVERRIDES = ("_prepare_cache_for_generation", "generate", "_is_stateful", "_opt
 
 def install(backend: "ModelBackend") -> None:
     """Make ``backend.model.generate()`` run over the backend's paged cache (module docstring)."""
+    from .hf_cache import DSV4PagedCache  # imports transformers: loaded with any model
+
     model = backend.model
     prepare, generate = model._prepare_cache_for_generation, model.generate  # the class's, bound
-    created: list[DSV4PagedCache] = []  # caches built by the outermost generate call running now
+    created: list["DSV4PagedCache"] = []  # caches built by the outermost generate call running now
     depth = [0]
 
     def prepare_cache(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):

@@ -17,9 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from .hf_cache import DSV4PagedCache
-
 if TYPE_CHECKING:
+    from .hf_cache import DSV4PagedCache
     from .model import ModelBackend
 
 # Keywords the backend path accepts as the model's forward does, with no effect on the result.
@@ -28,6 +27,8 @@ _NEUTRAL = ("use_cache", "return_dict")
 
 def install(backend: "ModelBackend") -> None:
     """Make ``backend.model(...)`` run through ``backend.runner`` (see the module docstring)."""
+    from .hf_cache import DSV4PagedCache  # imports transformers: loaded with any model
+
     model = backend.model
     original = type(model).forward.__get__(model)
 
@@ -79,7 +80,7 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
     return MoeCausalLMOutputWithPast(loss=loss, logits=logits)
 
 
-def cache_forward(backend: "ModelBackend", cache: DSV4PagedCache, input_ids: torch.Tensor,
+def cache_forward(backend: "ModelBackend", cache: "DSV4PagedCache", input_ids: torch.Tensor,
                   attention_mask: torch.Tensor | None, logits_to_keep: int | torch.Tensor, **others) -> Any:
     """``MoeCausalLMOutputWithPast`` of one ``generate`` step over ``cache``: ``input_ids [B, S]``
     (the new columns), ``attention_mask [B, past + S]`` -> ``logits [B, K, vocab]`` of the last
