@@ -22,9 +22,9 @@ from torch import nn
 from .allocator import PageAllocator
 from .cache import DSV4Cache
 from .config import DSV4AttnConfig
+from . import hf_generate, model_forward
 from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
-from .model_forward import install, uninstall
 from .runner import ModelRunner
 from .step import StepInputs
 
@@ -60,8 +60,10 @@ class ModelBackend(nn.Module):
         self.runner = ModelRunner(self)
 
     def close(self) -> None:
-        """Give the model its original forward back (the cache stays usable through this object)."""
-        uninstall(self)
+        """Give the model its original forward and ``generate`` back (the cache stays usable through
+        this object)."""
+        model_forward.uninstall(self)
+        hf_generate.uninstall(self)
 
     @property
     def vocab_size(self) -> int:
@@ -144,8 +146,10 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     """The backend for ``model`` (a bf16 ``DeepseekV4ForCausalLM``), with a cache of
     ``max_requests`` concurrent requests of up to ``max_seq_len`` tokens on the model's device.
 
-    Installs the backend as the model's own forward without a cache (``model(input_ids,
-    attention_mask, labels)``, see :mod:`dsv4_compile.model_forward`) until ``backend.close()``.
+    Installs the backend as the model's own forward (``model(input_ids, attention_mask, labels)``,
+    see :mod:`dsv4_compile.model_forward`) and as the cache of ``model.generate()`` (greedy,
+    sampling and assisted generation, see :mod:`dsv4_compile.hf_generate`) until
+    ``backend.close()``.
 
     Sets the model's MoE experts implementation (``experts_implementation``, default
     :data:`EXPERTS_IMPLEMENTATION`: it compiles without graph breaks or host syncs).
@@ -160,5 +164,6 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, num_full_pages=num_full_pages,
                       num_swa_pages=num_swa_pages, device=param.device)
     backend = ModelBackend(model.eval(), config, cache)
-    install(backend)
+    model_forward.install(backend)
+    hf_generate.install(backend)
     return backend

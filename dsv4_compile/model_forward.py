@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from .hf_cache import DSV4PagedCache
     from .model import ModelBackend
 
 # Keywords the backend path accepts as the model's forward does, with no effect on the result.
@@ -26,12 +27,18 @@ _NEUTRAL = ("use_cache", "return_dict")
 
 def install(backend: "ModelBackend") -> None:
     """Make ``backend.model(...)`` run through ``backend.runner`` (see the module docstring)."""
+    from .hf_cache import DSV4PagedCache  # imports transformers: loaded with any model
+
     model = backend.model
     original = type(model).forward.__get__(model)
 
     @functools.wraps(original)
     def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        if isinstance(past_key_values, DSV4PagedCache):
+            out = cache_forward(backend, past_key_values, input_ids, attention_mask, logits_to_keep,
+                                inputs_embeds=inputs_embeds, labels=labels, **kwargs)
+            return out if kwargs.get("return_dict", True) else out.to_tuple()
         others = (position_ids, past_key_values, inputs_embeds,
                   *(v for k, v in kwargs.items() if k not in _NEUTRAL))
         if input_ids is None or any(v is not None and v is not False for v in others):
@@ -71,6 +78,26 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
     model = backend.model
     loss = None if labels is None else model.loss_function(logits, labels, model.config.vocab_size)
     return MoeCausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def cache_forward(backend: "ModelBackend", cache: "DSV4PagedCache", input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None, logits_to_keep: int | torch.Tensor, **others) -> Any:
+    """``MoeCausalLMOutputWithPast`` of one ``generate`` step over ``cache``: ``input_ids [B, S]``
+    (the new columns), ``attention_mask [B, past + S]`` -> ``logits [B, K, vocab]`` of the last
+    ``K = logits_to_keep`` columns (all when 0; zeros on pads) and ``past_key_values=cache``.
+    ``position_ids`` are not needed: a row's positions count its real tokens from 0."""
+    from transformers.modeling_outputs import MoeCausalLMOutputWithPast  # loaded with any model
+
+    if cache.backend is not backend:
+        raise ValueError("past_key_values is a DSV4PagedCache of another model's backend")
+    unsupported = sorted(k for k, v in others.items() if k not in _NEUTRAL and v is not None and v is not False)
+    if input_ids is None or unsupported:
+        raise ValueError(f"with a DSV4PagedCache the model's forward takes input_ids, attention_mask and "
+                         f"logits_to_keep only; got {unsupported or ['inputs_embeds instead of input_ids']}")
+    if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
+        raise ValueError(f"with a DSV4PagedCache logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
+    logits = cache.step(input_ids, attention_mask, logits_to_keep)
+    return MoeCausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
 def real_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[int, int]]:

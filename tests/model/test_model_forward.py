@@ -1,9 +1,10 @@
 """The model's own forward with the backend enabled: ``model(input_ids, attention_mask, labels)``
-on a padded batch, as evaluation harnesses call it; ``generate()`` (a cache passed) and
+on a padded batch, as evaluation harnesses call it; a ``transformers`` cache passed and
 ``close()`` give the original forward."""
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from dsv4_compile.model import enable
 from tests.model.conftest import load_tiny_hf
@@ -77,12 +78,14 @@ def test_padded_batch_scores_each_row_over_its_real_tokens(backend, tiny_hf):
 
 
 def test_a_cache_or_close_gives_the_original_forward(tiny_hf_dir, tiny_hf):
-    """``generate()`` passes a DynamicCache: the original forward runs (the same tokens as the
-    model without the backend); after ``close()`` the forward is the class's again."""
+    """A ``transformers`` cache passed to ``generate()`` (here a DynamicCache) runs the original
+    forward (the same tokens as the model without the backend); after ``close()`` the forward is
+    the class's again."""
     backend = enable(load_tiny_hf(tiny_hf_dir), max_requests=1, max_seq_len=256)
     model, prompt = backend.model, ids_of(10, 4).unsqueeze(0)
     want = tiny_hf.generate(prompt, max_new_tokens=3, do_sample=False)
-    torch.testing.assert_close(model.generate(prompt, max_new_tokens=3, do_sample=False), want, atol=0, rtol=0)
+    got = model.generate(prompt, max_new_tokens=3, do_sample=False, past_key_values=DynamicCache(config=model.config))
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
     assert not torch.equal(model(prompt).logits, tiny_hf(prompt).logits)  # the backend's numbers
     assert model(prompt, return_dict=False)[0].shape == (1, 10, VOCAB)
     backend.close()
