@@ -8,7 +8,7 @@ Usage:
 Stacks: 3 layers are bench_step's stack (ratios 0, 4, 128); n layers otherwise are the first n
 ratios of the ``flash`` preset (43: the whole Flash stack), with the dimensions of ``--preset``
 (default ``tiny``: small hidden size and head counts, so CPU memory stays low). The cache holds two
-requests of at most 512 tokens; the compiled call is a decode step of both.
+requests of at most 512 tokens (index top-k 64 to match); the compiled call is a decode step of both.
 
 Each case runs in a fresh process (nothing of an earlier compile in memory): "cold" with an empty
 ``TORCHINDUCTOR_CACHE_DIR``, then "warm" in a second process on the same directory. Reported per
