@@ -59,9 +59,13 @@ class Compressor(nn.Module):
             self.norm.copy_(1 + 0.1 * torch.randn(self.norm.shape, generator=gen))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv, score)`` fp32 ``[T, coff * d]`` of hidden states ``x [T, hidden]`` (no ape)."""
-        xf = x.float()
-        return xf @ self.wkv.float().t(), xf @ self.wgate.float().t()
+        """``(kv, score)`` fp32 ``[T, coff * d]`` of hidden states ``x [T, hidden]`` (no ape): GEMMs
+        in the weights' dtype (fp32 accumulation), widened to fp32 (docs/semantics.md §4.2)."""
+        # The weights are read as stored: an fp32 GEMM would convert them to fp32 on every step, and
+        # torch.mm's out_dtype=fp32 (no rounding of the product) has no CPU kernel, so the CPU and
+        # CUDA graphs would differ. Rounding kv / score to bf16 is what transformers' compressor
+        # does; it moves an entry by about one bf16 ulp, far below its FP8 quantisation in the cache.
+        return F.linear(x, self.wkv).float(), F.linear(x, self.wgate).float()
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor, ring: int,
                 inv_freq: torch.Tensor) -> torch.Tensor:
