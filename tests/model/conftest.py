@@ -12,6 +12,13 @@ from transformers import DeepseekV4ForCausalLM  # noqa: E402
 from tests.support.hf_model import tiny_hf_model  # noqa: E402
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    """Steps are inference only."""
+    with torch.no_grad():
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
     """Directory of the tiny checkpoint (seed 0, bf16 with transformers' fp32 modules)."""

@@ -36,12 +36,6 @@ def greedy(model, ids, mask, max_new_tokens, **kwargs) -> torch.Tensor:
     return out[:, ids.shape[1]:]
 
 
-@pytest.fixture(autouse=True)
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_hf_dir):
     return enable(load_tiny_hf(tiny_hf_dir), max_requests=3, max_seq_len=256)

@@ -27,12 +27,6 @@ def padded(rows: list[torch.Tensor], width: int, left: bool) -> tuple[torch.Tens
     return ids, mask
 
 
-@pytest.fixture(autouse=True)
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_hf_dir):
     return enable(load_tiny_hf(tiny_hf_dir), max_requests=2, max_seq_len=256)

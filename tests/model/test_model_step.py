@@ -42,12 +42,6 @@ def backend(tiny_hf_dir):
     return enable(load_tiny_hf(tiny_hf_dir), max_requests=4, max_seq_len=1280)
 
 
-@pytest.fixture(autouse=True)
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 def hf_logits(model, ids: torch.Tensor) -> torch.Tensor:
     return model(ids.unsqueeze(0)).logits[0].float()
 

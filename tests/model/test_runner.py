@@ -46,12 +46,6 @@ def assert_same_state(before: tuple, after: tuple) -> None:
         assert torch.equal(a, b)
 
 
-@pytest.fixture(autouse=True)
-def no_grad():
-    with torch.no_grad():
-        yield
-
-
 @pytest.fixture(scope="module")
 def backend(tiny_hf_dir):
     """Two request rows of 256 tokens: more requests than rows in every test below."""
