@@ -5,7 +5,7 @@ is imported: importing this module registers ``dsv4``. On the command line, run 
 this module, with lm-eval's own arguments::
 
     python -m dsv4_compile.lm_eval_model --model dsv4 \\
-        --model_args pretrained=DIR,max_seq_len=4096,compile=true --batch_size 8 --tasks ...
+        --model_args pretrained=DIR,max_seq_len=4096,batch_size=16,compile=true --tasks ...
 
 In Python, ``import dsv4_compile.lm_eval_model`` before ``lm_eval.simple_evaluate(model="dsv4",
 ...)``. Every request runs through one :class:`~dsv4_compile.runner.ModelRunner`: requests are
@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import json
 
-import lm_eval.models  # noqa: F401  (lm-eval registers its own models only into an empty registry)
+# lm-eval fills its model registry with its own models only while it is empty: make that happen
+# before dsv4 is registered, or hf and the others would not be found in this process.
+import lm_eval.models  # noqa: F401
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
