@@ -114,11 +114,14 @@ class ModelRunner(StepBuilder):
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
                  temperature: float = 0.0, top_p: float = 1.0, stop_ids: Iterable[int] = (),
-                 seed: int | None = None) -> list[list[int]]:
+                 seed: int | None = None, stop: Callable[[int, list[int]], bool] | None = None
+                 ) -> list[list[int]]:
         """The new tokens of each prompt: up to ``max_new_tokens``, ending early after the first
         token in ``stop_ids`` (which is included). ``temperature == 0`` is greedy; otherwise tokens are
         drawn on the device (see :func:`~dsv4_compile.sampling.sample_tokens`) from a
-        ``torch.Generator`` seeded with ``seed`` (``None``: a random seed)."""
+        ``torch.Generator`` seeded with ``seed`` (``None``: a random seed). ``stop(i, new_tokens)``,
+        called after each token of ``prompts[i]``, ends that request when it returns True (stop
+        strings: decode and search the new tokens)."""
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         temperature, top_p = check_sampling(temperature, top_p)
         stops = set(self._token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
@@ -137,8 +140,9 @@ class ModelRunner(StepBuilder):
                 return
             chosen = sample_tokens(logits[:len(parts)], temperature, top_p, generator).tolist()
             for (req, _, _), token in zip(parts, chosen):
-                out[req.index].append(token)
-                if len(out[req.index]) < max_new_tokens and token not in stops:
+                new = out[req.index]
+                new.append(token)
+                if len(new) < max_new_tokens and token not in stops and not (stop and stop(req.index, new)):
                     req.tokens.append(token)
 
         requests = [_Request(i, p[:], len(p) + max_new_tokens - 1) for i, p in enumerate(prompts)]
