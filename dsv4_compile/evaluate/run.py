@@ -77,7 +77,10 @@ class _CompileClock:
 
 
 def timed(runner: ModelRunner, loop: Callable[[], object]) -> tuple[object, Timing]:
-    """Warm ``runner`` up, then run ``loop()``; its result and the :class:`Timing`."""
+    """Warm ``runner`` up, then run ``loop()``; its result and the :class:`Timing`. Says on stderr
+    that warm-up compiles, so that a long cold compile is not taken for a hang."""
+    if runner.step_fn is not runner.backend:
+        print("warm-up: compiling the step ...", file=sys.stderr, flush=True)
     with _CompileClock() as clock:
         start = time.perf_counter()
         runner.warmup()
