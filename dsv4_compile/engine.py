@@ -1,8 +1,7 @@
 """A miniature serving loop around a :class:`DSV4AttentionStack`: what an engine does between
 steps. It admits requests, allocates pages for their new tokens, builds the step object (padded
 to a bucket when asked), runs the step, rolls back rejected drafts and releases finished
-requests. Used by the demo (``python -m dsv4_compile``), the tests and
-``benchmarks/bench_step.py``.
+requests. Used by the tests and ``benchmarks/bench_step.py``.
 
 The caller supplies the hidden states of every step's new tokens (``run(mode, {row: x})``); the
 engine keeps no copy of them. A step that fails — a request that does not fit, bad inputs — leaves

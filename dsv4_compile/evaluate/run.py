@@ -1,0 +1,136 @@
+"""Running a task on the backend: the runner and its step (compiled or eager), warm-up, and the
+perplexity and generation loops, timed apart from compilation, with a progress bar.
+
+Compilation happens in :meth:`ModelRunner.warmup <dsv4_compile.runner.ModelRunner.warmup>`; Dynamo
+frames compiled after it are counted (a compiled runner compiles none: docs/model.md, "Zero
+recompiles"). Time spent in Dynamo's compile callbacks during the loops — CUDA-graph recordings of
+new bucket combinations on a GPU — is reported with compilation, not with tokens/s.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch._dynamo.utils import counters
+from tqdm import tqdm
+
+from ..compile import compile_step
+from ..model import ModelBackend, enable
+from ..runner import ModelRunner
+
+# How a compiled step is compiled. On a GPU: Inductor with CUDA graphs (compile_step's default).
+# On a CPU: Dynamo's graph on the eager backend. The CPU kernels are the reference ops, which
+# Inductor calls as they are: for the built-in model its cold compile of the warm-up frames took
+# 545 s on 2 shared cores, and the steps ran no faster than eager ones.
+COMPILED = {"cuda": ("inductor", "Inductor + CUDA graphs"),
+            "cpu": ("eager", "Dynamo graph, eager backend (Inductor gains nothing on CPU reference kernels)")}
+# Sequences handed to the runner per call: the progress bar moves between calls, and the runner
+# still batches continuously inside each.
+CALL_SEQUENCES_PER_REQUEST = 4
+
+
+@dataclass
+class Timing:
+    warmup_s: float  # warm-up, compilation included
+    compile_s: float  # in Dynamo's compile callbacks, warm-up and loop together
+    loop_s: float  # the loop, compilation excluded
+    frames_after_warmup: int  # Dynamo's frame count when warm-up ended
+
+
+def make_runner(model: torch.nn.Module, *, batch: int, max_seq_len: int, compiled: bool
+                ) -> tuple[ModelRunner, str]:
+    """The backend on ``model`` with ``batch`` request rows of ``max_seq_len`` positions, and a
+    runner on its step (compiled as :data:`COMPILED` says); returns it and how it runs."""
+    backend = enable(model, max_requests=batch, max_seq_len=max_seq_len)
+    if not compiled:
+        return ModelRunner(backend), "eager (not compiled)"
+    backend_name, how = COMPILED[backend.cache.device.type]
+    return ModelRunner(backend, step_fn=compile_step(backend, backend=backend_name)), how
+
+
+class _CompileClock:
+    """Seconds spent between Dynamo's compile start and end callbacks (graph compilations and
+    CUDA-graph recordings) while entered."""
+
+    def __init__(self):
+        self.seconds, self._start = 0.0, 0.0
+
+    def _on_start(self, *args) -> None:
+        self._start = time.perf_counter()
+
+    def _on_end(self, *args) -> None:
+        self.seconds += time.perf_counter() - self._start
+
+    def __enter__(self) -> "_CompileClock":
+        torch._dynamo.callback_handler.register_start_callback(self._on_start)
+        torch._dynamo.callback_handler.register_end_callback(self._on_end)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch._dynamo.callback_handler.remove_start_callback(self._on_start)
+        torch._dynamo.callback_handler.remove_end_callback(self._on_end)
+
+
+def timed(runner: ModelRunner, loop: Callable[[], object]) -> tuple[object, Timing]:
+    """Warm ``runner`` up, then run ``loop()``; its result and the :class:`Timing`. Says on stderr
+    that warm-up compiles, so that a long cold compile is not taken for a hang."""
+    if runner.step_fn is not runner.backend:
+        print("warm-up: compiling the step ...", file=sys.stderr, flush=True)
+    with _CompileClock() as clock:
+        start = time.perf_counter()
+        runner.warmup()
+        warmup_s, warm_compile_s = _synced_since(runner.backend, start), clock.seconds
+        frames = counters["frames"]["total"]
+        start = time.perf_counter()
+        result = loop()
+        loop_s = _synced_since(runner.backend, start) - (clock.seconds - warm_compile_s)
+    return result, Timing(warmup_s, clock.seconds, loop_s, frames)
+
+
+def _synced_since(backend: ModelBackend, start: float) -> float:
+    if backend.cache.device.type == "cuda":
+        torch.cuda.synchronize(backend.cache.device)
+    return time.perf_counter() - start
+
+
+def score_all(runner: ModelRunner, sequences: Sequence[list[int]]) -> list[torch.Tensor]:
+    """Teacher-forced log-probs of every sequence (``runner.score``), fp32 ``[L - 1]`` each."""
+    out: list[torch.Tensor] = []
+    with _bar(sum(map(len, sequences)), "perplexity") as bar:
+        for chunk in _chunks(runner, sequences):
+            out += runner.score(chunk)
+            bar.update(sum(map(len, chunk)))
+    return out
+
+
+def generate_all(runner: ModelRunner, prompts: Sequence[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy continuations of ``max_new_tokens`` tokens of every prompt (``runner.generate``)."""
+    out: list[list[int]] = []
+    with _bar(sum(map(len, prompts)) + max_new_tokens * len(prompts), "generate") as bar:
+        for chunk in _chunks(runner, prompts):
+            out += runner.generate(chunk, max_new_tokens)
+            bar.update(sum(map(len, chunk)) + max_new_tokens * len(chunk))
+    return out
+
+
+def perplexity(log_probs: Sequence[torch.Tensor]) -> float:
+    """``exp`` of the mean negative log-prob over every scored token (nan when there is none)."""
+    count = sum(t.numel() for t in log_probs)
+    total = sum(float(t.double().sum()) for t in log_probs)
+    return math.exp(-total / count) if count else math.nan
+
+
+def _chunks(runner: ModelRunner, sequences: Sequence[list[int]]):
+    size = CALL_SEQUENCES_PER_REQUEST * runner.allocator.cache.max_requests
+    return (sequences[i:i + size] for i in range(0, len(sequences), size))
+
+
+def _bar(tokens: int, what: str) -> tqdm:
+    """A progress bar over ``tokens`` tokens on stderr (shown on a terminal only)."""
+    return tqdm(total=tokens, desc=what, unit="tok", file=sys.stderr, disable=None,
+                leave=False, dynamic_ncols=True)
