@@ -1,5 +1,5 @@
 """The tiny transformers DeepSeek V4 checkpoint (``tests/support/hf_model.py``), written once per
-session with ``save_pretrained`` and read back with ``from_pretrained``, offline."""
+test run with ``save_pretrained`` and read back with ``from_pretrained``, offline."""
 
 import os
 
@@ -30,7 +30,7 @@ def tiny_hf_dir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_hf(tiny_hf_dir) -> DeepseekV4ForCausalLM:
-    """The tiny model as ``from_pretrained`` loads it: eval mode, no grad. Shared by the session:
+    """The tiny model as ``from_pretrained`` loads it: eval mode, no grad. Shared by the whole test run:
     tests must not modify it."""
     return load_tiny_hf(tiny_hf_dir)
 
