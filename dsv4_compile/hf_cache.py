@@ -22,7 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from .runner import pages_needed
-from .step import REQUEST_BUCKETS, ForwardMode, bucket
+from .step import ForwardMode
 
 if TYPE_CHECKING:
     from .allocator import PageAllocator
@@ -134,8 +134,7 @@ class DSV4PagedCache(Cache):
                                  f"more than the backend's max_seq_len={cache.max_seq_len}")
             full, swa = pages_needed(self.max_length, self.backend.runner.max_step_tokens,
                                      cache.config.max_draft_tokens)
-            need, free = (batch, batch * full, batch * swa), (
-                cache.max_requests - len(alloc.active_rows), alloc.free_full_pages, alloc.free_swa_pages)
+            need, free = (batch, batch * full, batch * swa), self.backend.runner.free_capacity()
             if any(n > f for n, f in zip(need, free)):
                 raise ValueError(f"generate needs {need[0]} request rows, {need[1]} full and {need[2]} SWA pages "
                                  f"for {batch} rows of {self.max_length} tokens; the backend's cache has "
@@ -172,10 +171,7 @@ def feed(runner: "ModelRunner", tokens: dict[int, list[int]], keep: dict[int, in
                 logit_rows += range(len(ids) + first - fed[row], len(ids) + n)
             ids += tokens[row][fed[row]:end]
             fed[row] = end
-        size = bucket(len(logit_rows), REQUEST_BUCKETS) if runner.bucketed else len(logit_rows)
-        logit_rows += [0] * (max(2, size) - len(logit_rows))  # >= 2 rows: see ModelRunner._step_inputs
-        ids += [0] * (step.num_tokens - len(ids))
-        logits = runner.step_fn(runner._ids(ids), step, runner._ids(logit_rows))
+        logits = runner.run_step(step, ids, logit_rows)
         for row, start, n in parts:
             out[row].append(logits[start:start + n])
     empty = runner.backend.model.lm_head.weight.new_zeros(0, runner.backend.vocab_size)

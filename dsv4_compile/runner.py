@@ -28,7 +28,7 @@ import torch
 
 from .config import PAGE_SIZE, SWA_WINDOW
 from .sampling import check_sampling, sample_tokens
-from .step import REQUEST_BUCKETS, ForwardMode, StepInputs, bucket
+from .step import TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
 from .step_builder import StepBuilder
 from .validate import check_count
 
@@ -178,8 +178,8 @@ class ModelRunner(StepBuilder):
             while pending or running:
                 plan = self._plan(pending, running, free)
                 step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
-                ids, logit_rows, parts = self._step_inputs(step, plan, every_row)
-                logits = self.step_fn(ids, step, logit_rows)
+                ids, logit_rows, parts = self._step_inputs(plan, every_row)
+                logits = self.run_step(step, ids, logit_rows)
                 for req, n in plan:
                     req.fed += n
                 consume(parts, logits)
@@ -225,8 +225,7 @@ class ModelRunner(StepBuilder):
     def _check_capacity(self, name: str, requests: list[_Request]) -> list[int]:
         """The rows and pages free now (``[rows, full, swa]``); ``ValueError`` naming the first
         request that could not fit even alone."""
-        alloc, cache = self.allocator, self.allocator.cache
-        free = [cache.max_requests - len(alloc.active_rows), alloc.free_full_pages, alloc.free_swa_pages]
+        cache, free = self.allocator.cache, self.free_capacity()
         for req in requests:
             if req.length > cache.max_seq_len:
                 raise ValueError(f"{name}[{req.index}] needs {req.length} positions in the cache, more than its "
@@ -237,26 +236,36 @@ class ModelRunner(StepBuilder):
                                  f"pages; the cache has {free[0]}, {free[1]} and {free[2]} free")
         return free
 
-    def _step_inputs(self, step: StepInputs, plan: list[tuple[_Request, int]], every_row: bool
-                     ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[_Request, int, slice]]]:
-        """``(input_ids [T], logit_rows [R >= 2], parts)`` of ``step``: the planned tokens (zeros on
-        padding rows) and the rows whose logits ``consume`` gets (see :meth:`_serve`). ``R`` is at
-        least 2 (padded with row 0) so that a compiled step is never specialised to one logit row,
-        and is bucketed like the request count when the step is."""
+    def free_capacity(self) -> list[int]:
+        """``[request rows, full pages, SWA pages]`` free in the allocator now."""
+        alloc = self.allocator
+        return [alloc.cache.max_requests - len(alloc.active_rows), alloc.free_full_pages, alloc.free_swa_pages]
+
+    def _step_inputs(self, plan: list[tuple[_Request, int]], every_row: bool
+                     ) -> tuple[list[int], list[int], list[tuple[_Request, int, slice]]]:
+        """``(input_ids, logit_rows, parts)`` of a step running ``plan``: the planned tokens and the
+        rows whose logits ``consume`` gets (see :meth:`_serve`), before :meth:`run_step` pads them."""
         ids, rows, parts = [], [], []
         for req, n in plan:
             if every_row:
                 parts.append((req, req.fed, slice(len(ids), len(ids) + n)))
+                rows += range(len(ids), len(ids) + n)
             elif n == req.left:
                 parts.append((req, req.fed, slice(len(rows), len(rows) + 1)))
                 rows.append(len(ids) + n - 1)
             ids += req.tokens[req.fed:req.fed + n]
-        if every_row:
-            rows = list(range(step.num_tokens)) if step.num_tokens > 1 else []
-        size = bucket(len(rows), REQUEST_BUCKETS) if self.bucketed and not every_row else len(rows)
-        rows += [0] * (max(2, size) - len(rows))
-        ids += [0] * (step.num_tokens - len(ids))
-        return self._ids(ids), self._ids(rows), parts
+        return ids, rows, parts
+
+    def run_step(self, step: StepInputs, ids: list[int], logit_rows: list[int]) -> torch.Tensor:
+        """``step_fn`` on ``step`` with the real rows' token ``ids`` (zeros on the padding rows) ->
+        logits of ``logit_rows`` (then of row 0 for padding). The logit rows are padded to at least 2
+        so that a compiled step is never specialised to one logit row, and, when the runner is
+        ``bucketed``, to a token bucket size (as the step's rows are), so that their count takes few
+        values: all the rows of a bucketed step are exactly its ``num_tokens``."""
+        size = bucket(len(logit_rows), TOKEN_BUCKETS) if self.bucketed else len(logit_rows)
+        logit_rows = logit_rows + [0] * (max(2, size) - len(logit_rows))
+        ids = ids + [0] * (step.num_tokens - len(ids))
+        return self.step_fn(self._ids(ids), step, self._ids(logit_rows))
 
     def _ids(self, values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=self.device)
