@@ -64,6 +64,7 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.testing.bench import profile_steps
 from dsv4_compile.testing.random_model import random_hf_model
 
 WAYS = ("hf_eager", "backend_eager", "compiled")
@@ -104,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tiny", action="store_true", help="hidden 256, 8 heads, vocab 512: a CPU smoke check")
     p.add_argument("--device", default="cuda")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--profile", action="store_true",
+                   help="profile the compiled decode steps: GPU busy time, host overhead, kernels per step")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the results")
@@ -281,11 +284,13 @@ def decode_steps(backend: ModelBackend, rows: list[int], count: int) -> list[Ste
                             device=device) for k in range(count)]
 
 
-def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, args) -> float:
-    """µs per decode step of ``fn`` after filling one request per prompt of ``tokens [b, P]``."""
+def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, args, profile: bool = False
+                      ) -> tuple[float, dict | None]:
+    """µs per decode step of ``fn`` after filling one request per prompt of ``tokens [b, P]``, and
+    with ``profile`` the :func:`profile_steps` figures of as many further steps."""
     b = tokens.shape[0]
     rows, ids = fill(backend, tokens, args.fill_tokens)
-    steps = decode_steps(backend, rows, args.warmup + args.steps)
+    steps = decode_steps(backend, rows, args.warmup + args.steps * (2 if profile else 1))
     out_rows = logit_rows(list(range(b)), tokens.device)
 
     def run(some):
@@ -294,10 +299,14 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
             ids = fn(ids, step, out_rows)[:b].argmax(-1)
 
     run(steps[:args.warmup])
-    us = 1e3 * elapsed_ms(lambda: run(steps[args.warmup:]), tokens.device) / args.steps
+    timed = steps[args.warmup:args.warmup + args.steps]
+    us = 1e3 * elapsed_ms(lambda: run(timed), tokens.device) / args.steps
+    profiled = None
+    if profile:
+        profiled = profile_steps(lambda n: run(steps[-n:]), args.steps)
     for r in rows:
         backend.allocator.free(r)
-    return us
+    return us, profiled
 
 
 def make_backend(model, args, batches: list[int]) -> ModelBackend:
@@ -377,8 +386,15 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
         _report("prefill", b, way, ms, "ms")
     for b in _ints(args.batches):
         tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
-        results["decode"][b][way] = us = backend_decode_us(backend, fn, tokens, args)
-        _report("decode", b, way, us, "us/step")
+        profile = args.profile and way == "compiled" and device.type == "cuda"
+        results["decode"][b][way], profiled = backend_decode_us(backend, fn, tokens, args, profile)
+        _report("decode", b, way, results["decode"][b][way], "us/step")
+        if profiled:
+            results.setdefault("profile", {})[b] = profiled
+            print(f"profile  b {b:>3} compiled: wall {profiled['wall_us']:.0f} us, GPU busy "
+                  f"{profiled['gpu_busy_us']:.0f} us, {profiled['kernels']:.0f} kernels/step; top kernels:", flush=True)
+            for k in profiled["top"][:15]:
+                print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}", flush=True)
 
 
 def _unless_oom(fn: Callable[[], float]) -> float | None:
@@ -439,7 +455,7 @@ def summarize(results: dict, config: DeepseekV4Config, args) -> dict:
         decode.append(_ratios(row, times))
     return {**header(args), "weights": parts, "compile": results["compile"],
             "hf_experts_implementation": results.get("hf_experts_implementation"),
-            "compiled_counters": results.get("compiled_counters"),
+            "compiled_counters": results.get("compiled_counters"), "profile": results.get("profile"),
             "prefill": prefill, "decode": decode}
 
 

@@ -5,11 +5,15 @@ Timing (:func:`graph_us`): ``fn`` runs twice off the capture stream (compile / w
 ``inner`` calls are captured in one ``torch.cuda.CUDAGraph``; the graph is replayed ``iters``
 times, each replay timed with CUDA events, and the median replay time divided by ``inner`` is
 reported, so graph-launch overhead is amortised as inside a full-step graph.
+
+Profiling (:func:`profile_steps`): where a step's time goes — wall time, GPU busy time and kernel
+launches per step, and the kernels that take most of it.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +71,40 @@ def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[
     ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
     del graph
     return 1e3 * ms / inner
+
+
+def profile_steps(run_steps: Callable[[int], object], steps: int, top: int = 25) -> dict[str, Any]:
+    """Profile ``run_steps(steps)`` (``steps`` consecutive steps, already warmed up) on CUDA.
+
+    Returns per step: ``wall_us`` (host wall time, device work included), ``gpu_busy_us`` (summed
+    kernel time: kernels of one stream do not overlap), ``host_overhead_us`` (their difference: the
+    time the GPU waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the
+    ``top`` kernels by time, each ``{"name", "us_per_step", "calls_per_step"}``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        run_steps(steps)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernels: dict[str, list[float]] = {}
+    memcpy_us = 0.0
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        if ev.name.startswith("Memcpy") or ev.name.startswith("Memset"):
+            memcpy_us += ev.device_time_total
+        else:
+            kernels.setdefault(ev.name, []).append(ev.device_time_total)
+    busy = sum(sum(t) for t in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return {"wall_us": 1e6 * wall / steps, "gpu_busy_us": busy / steps,
+            "host_overhead_us": 1e6 * wall / steps - busy / steps,
+            "kernels": sum(len(t) for t in kernels.values()) / steps, "memcpy_us": memcpy_us / steps,
+            "top": [{"name": name[:120], "us_per_step": sum(t) / steps, "calls_per_step": len(t) / steps}
+                    for name, t in ranked]}
 
 
 def sparse_attn_flops(inp: AttnInputs) -> float:
