@@ -45,7 +45,6 @@ Measured:
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -56,7 +55,6 @@ import time
 from collections.abc import Callable
 
 import torch
-import transformers
 from torch._dynamo.utils import counters
 from transformers import DeepseekV4Config, DynamicCache
 
@@ -64,7 +62,7 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import profile_steps
+from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps
 from dsv4_compile.testing.random_model import random_hf_model
 
 WAYS = ("hf_eager", "backend_eager", "compiled")
@@ -445,37 +443,18 @@ def summarize(results: dict, config: DeepseekV4Config, args) -> dict:
     for b, times in results["prefill"].items():
         row = {"batch": b, "tokens": b * args.prompt_len, **{f"{w}_ms": t for w, t in times.items()}}
         row.update({f"{w}_tok_s": 1e3 * b * args.prompt_len / t for w, t in times.items() if t})
-        prefill.append(_ratios(row, times))
+        prefill.append({**row, **compiled_ratios(times)})
     for b, times in results["decode"].items():
         read = decode_read_bytes(parts, config, b)
         row = {"batch": b, **{f"{w}_us": t for w, t in times.items()}, "floor_us": floor_us,
                "floor_read_us": 1e6 * read / bps}
         row.update({f"{w}_tok_s": 1e6 * b / t for w, t in times.items() if t})
         row.update({f"{w}_hbm_tbps": read / t / 1e6 for w, t in times.items() if t})
-        decode.append(_ratios(row, times))
-    return {**header(args), "weights": parts, "compile": results["compile"],
+        decode.append({**row, **compiled_ratios(times)})
+    return {**header(args.device, args), "weights": parts, "compile": results["compile"],
             "hf_experts_implementation": results.get("hf_experts_implementation"),
             "compiled_counters": results.get("compiled_counters"), "profile": results.get("profile"),
             "prefill": prefill, "decode": decode}
-
-
-def header(args) -> dict:
-    """What every results file starts with: device, versions, date, arguments."""
-    return {"device": _device_name(args.device), "torch": torch.__version__, "transformers": transformers.__version__,
-            "date": datetime.date.today().isoformat(), "args": vars(args)}
-
-
-def _ratios(row: dict, times: dict) -> dict:
-    """``compiled_vs_<way>``: the other way's time over the compiled time (> 1: compiled is faster)."""
-    if times.get("compiled"):
-        for way, t in times.items():
-            if way != "compiled" and t:
-                row[f"compiled_vs_{way}"] = t / times["compiled"]
-    return row
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if torch.device(device).type == "cuda" else "cpu"
 
 
 def print_tables(res: dict) -> None:
@@ -542,7 +521,7 @@ def main() -> None:
             print(PROBE_TAG + json.dumps(compile_probe(args)), flush=True)
         return
     start = time.perf_counter()
-    res = {**header(args), "compile": compile_times(args)} if args.compile_time_only else run(args)
+    res = {**header(args.device, args), "compile": compile_times(args)} if args.compile_time_only else run(args)
     res["run_s"] = time.perf_counter() - start
     if not args.compile_time_only:
         print_tables(res)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -29,6 +28,7 @@ from .config import PAGE_SIZE
 from .evaluate import InputError, Plan, evaluate
 from .evaluate.inputs import builtin_config, builtin_corpus, check_lengths, checkpoint_config, read_jsonl
 from .evaluate.report import summary, write_json
+from .evaluate.run import quiet_libraries
 
 PROG = "python -m dsv4_compile"
 
@@ -113,21 +113,12 @@ def main(argv=None) -> int:
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    _quiet_libraries()
+    quiet_libraries()
     results = evaluate(plan)
     print(summary(results))
     if args.json is not None:
         write_json(results, args.json)
     return 0 if not results["recompiles_after_warmup"] else 1
-
-
-def _quiet_libraries() -> None:
-    """Silence notices that say nothing about the evaluation: Dynamo tracing through
-    ``transformers``' cached version checks, ``transformers``' advice."""
-    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
-    from transformers.utils import logging
-
-    logging.set_verbosity_error()
 
 
 if __name__ == "__main__":

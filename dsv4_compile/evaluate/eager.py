@@ -52,7 +52,7 @@ def compare_scores(runner: ModelRunner, sequences: Sequence[list[int]]) -> dict:
     position of ``sequences``: mean and max |Δ log-prob| of the next token, greedy agreement (the
     fraction of positions where both argmaxes agree)."""
     model, batch = runner.backend.model, runner.allocator.cache.max_requests
-    diffs, agree = [], 0
+    ours, theirs, agree = [], [], 0
     bar = _progress(sequences, "transformers eager")
     for lo in range(0, len(sequences), batch):  # the runner's logits, a batch at a time: [L, vocab] each
         for tokens, logits in zip(sequences[lo:lo + batch], runner.logits(sequences[lo:lo + batch])):
@@ -61,28 +61,39 @@ def compare_scores(runner: ModelRunner, sequences: Sequence[list[int]]) -> dict:
                 continue
             target = torch.tensor(tokens[1:], device=logits.device)[:, None]
             mine = logits[:-1].float().log_softmax(-1)
-            theirs = eager_logits(model, tokens)[0][:-1].log_softmax(-1)
-            diffs.append((mine.gather(1, target) - theirs.gather(1, target)).abs()[:, 0])
-            agree += int((mine.argmax(-1) == theirs.argmax(-1)).sum())
+            other = eager_logits(model, tokens)[0][:-1].log_softmax(-1)
+            ours.append(mine.gather(1, target)[:, 0])
+            theirs.append(other.gather(1, target)[:, 0])
+            agree += int((mine.argmax(-1) == other.argmax(-1)).sum())
     bar.close()
-    d = torch.cat(diffs) if diffs else torch.zeros(0)
-    return {"sequences": len(sequences), "tokens": d.numel(),
-            "mean_abs_logprob_diff": float(d.mean()) if d.numel() else None,
-            "max_abs_logprob_diff": float(d.max()) if d.numel() else None,
-            "greedy_agreement": agree / d.numel() if d.numel() else None}
+    diffs = logprob_diffs(ours, theirs)
+    return {"sequences": len(sequences), **diffs,
+            "greedy_agreement": agree / diffs["tokens"] if diffs["tokens"] else None}
+
+
+def logprob_diffs(ours: Sequence[torch.Tensor], theirs: Sequence[torch.Tensor]) -> dict:
+    """``tokens`` and the mean and max |Δ| (None without tokens) between two lists of log-prob
+    tensors, pairwise of the same shape (fp32 ``[L - 1]`` each, as ``ModelRunner.score`` gives)."""
+    d = torch.cat([(a.float().cpu() - b.float().cpu()).abs() for a, b in zip(ours, theirs)] or [torch.zeros(0)])
+    return {"tokens": d.numel(), "mean_abs_logprob_diff": float(d.mean()) if d.numel() else None,
+            "max_abs_logprob_diff": float(d.max()) if d.numel() else None}
 
 
 def compare_generations(model: torch.nn.Module, prompts: Sequence[list[int]], ours: Sequence[list[int]],
                         max_new_tokens: int) -> dict:
     """The runner's greedy tokens ``ours`` against ``transformers`` eager greedy generation from the
-    same ``prompts``: the fraction of generated positions holding the same token, and the number of
-    continuations identical throughout. Returns also the eager continuations (``"eager"``)."""
+    same ``prompts`` (see :func:`token_agreement`). Returns also the eager continuations (``"eager"``)."""
     theirs = [eager_greedy(model, p, max_new_tokens) for p in _progress(prompts, "transformers eager")]
+    return {**token_agreement(ours, theirs), "eager": theirs}
+
+
+def token_agreement(ours: Sequence[list[int]], theirs: Sequence[list[int]]) -> dict:
+    """Two sets of continuations of the same prompts: the fraction of ``theirs``' positions where
+    ``ours`` holds the same token, and how many continuations are identical throughout."""
     same = sum(a == b for mine, other in zip(ours, theirs) for a, b in zip(mine, other))
     total = sum(map(len, theirs))
-    return {"sequences": len(prompts), "new_tokens": total,
-            "token_agreement": same / total if total else None,
-            "identical_continuations": sum(list(a) == b for a, b in zip(ours, theirs)), "eager": theirs}
+    return {"sequences": len(theirs), "new_tokens": total, "token_agreement": same / total if total else None,
+            "identical_continuations": sum(list(a) == list(b) for a, b in zip(ours, theirs))}
 
 
 def _progress(items: Sequence, what: str) -> tqdm:

@@ -39,11 +39,8 @@ class Plan:
 
 def evaluate(plan: Plan) -> dict:
     """Run ``plan``: the results as a JSON-ready dict (see :func:`dsv4_compile.evaluate.report.summary`)."""
-    if plan.model_dir is None:
-        model = builtin_model(plan.device, plan.seed)
-    else:
-        model = load_checkpoint(plan.model_dir, plan.config, plan.device)
-    runner, how = make_runner(model, batch=plan.batch, max_seq_len=plan.max_seq_len, compiled=plan.compiled)
+    runner, how = make_runner(load_model(plan), batch=plan.batch, max_seq_len=plan.max_seq_len,
+                              compiled=plan.compiled)
     try:
         results = _perplexity(plan, runner) if plan.task == "perplexity" else _generate(plan, runner)
         # frames compiled after warm-up, by the loop and by the eager comparison's steps
@@ -54,6 +51,13 @@ def evaluate(plan: Plan) -> dict:
     lengths = [len(s) for s in plan.corpus.sequences]
     return {"model": describe(plan), "device": str(plan.device), "step": how, "task": plan.task,
             "sequences": len(lengths), "min_length": min(lengths), "max_length": max(lengths), **results}
+
+
+def load_model(plan: Plan) -> torch.nn.Module:
+    """The plan's model on its device: the checkpoint, or the built-in model drawn from its seed."""
+    if plan.model_dir is None:
+        return builtin_model(plan.device, plan.seed)
+    return load_checkpoint(plan.model_dir, plan.config, plan.device)
 
 
 def _perplexity(plan: Plan, runner) -> dict:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -45,8 +46,13 @@ class Timing:
 def make_runner(model: torch.nn.Module, *, batch: int, max_seq_len: int, compiled: bool
                 ) -> tuple[ModelRunner, str]:
     """The backend on ``model`` with ``batch`` request rows of ``max_seq_len`` positions, and a
-    runner on its step (compiled as :data:`COMPILED` says); returns it and how it runs."""
-    backend = enable(model, max_requests=batch, max_seq_len=max_seq_len)
+    runner on its step (see :func:`runner_on`); returns it and how it runs."""
+    return runner_on(enable(model, max_requests=batch, max_seq_len=max_seq_len), compiled=compiled)
+
+
+def runner_on(backend: ModelBackend, *, compiled: bool) -> tuple[ModelRunner, str]:
+    """A runner on ``backend``'s step, compiled as :data:`COMPILED` says or eager; returns it and
+    how it runs."""
     if not compiled:
         return ModelRunner(backend), "eager (not compiled)"
     backend_name, how = COMPILED[backend.cache.device.type]
@@ -81,21 +87,37 @@ def timed(runner: ModelRunner, loop: Callable[[], object]) -> tuple[object, Timi
     that warm-up compiles, so that a long cold compile is not taken for a hang."""
     if runner.step_fn is not runner.backend:
         print("warm-up: compiling the step ...", file=sys.stderr, flush=True)
+    return timed_after(runner.warmup, loop, runner.backend.cache.device)
+
+
+def timed_after(warmup: Callable[[], object], loop: Callable[[], object], device: torch.device
+                ) -> tuple[object, Timing]:
+    """Run ``warmup()``, then ``loop()``, whose work runs on ``device``; the loop's result and the
+    :class:`Timing`."""
     with _CompileClock() as clock:
         start = time.perf_counter()
-        runner.warmup()
-        warmup_s, warm_compile_s = _synced_since(runner.backend, start), clock.seconds
+        warmup()
+        warmup_s, warm_compile_s = _synced_since(device, start), clock.seconds
         frames = counters["frames"]["total"]
         start = time.perf_counter()
         result = loop()
-        loop_s = _synced_since(runner.backend, start) - (clock.seconds - warm_compile_s)
+        loop_s = _synced_since(device, start) - (clock.seconds - warm_compile_s)
     return result, Timing(warmup_s, clock.seconds, loop_s, frames)
 
 
-def _synced_since(backend: ModelBackend, start: float) -> float:
-    if backend.cache.device.type == "cuda":
-        torch.cuda.synchronize(backend.cache.device)
+def _synced_since(device: torch.device, start: float) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
+
+
+def quiet_libraries() -> None:
+    """Silence notices that say nothing about the evaluation: Dynamo tracing through
+    ``transformers``' cached version checks, ``transformers``' advice."""
+    warnings.filterwarnings("ignore", message="Dynamo detected a call to a `functools.lru_cache`")
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
 
 
 def score_all(runner: ModelRunner, sequences: Sequence[list[int]]) -> list[torch.Tensor]:

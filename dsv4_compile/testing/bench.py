@@ -1,5 +1,6 @@
-"""What the benchmarks share: the case type, CUDA-graph timing, and the flop / byte counts their
-throughput figures use.
+"""What the benchmarks share: the case type, CUDA-graph timing, the flop / byte counts their
+throughput figures use, and what a results file starts with (:func:`header`) and the
+compiled-vs-other ratios of its tables (:func:`compiled_ratios`).
 
 Timing (:func:`graph_us`): ``fn`` runs twice off the capture stream (compile / warm up), then
 ``inner`` calls are captured in one ``torch.cuda.CUDAGraph``; the graph is replayed ``iters``
@@ -12,13 +13,18 @@ launches per step, and the kernels that take most of it.
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 
 from .. import layout
 from ..config import HEAD_DIM
@@ -129,3 +135,30 @@ def compress_kv_bytes(args: dict[str, Any]) -> int:
     rows, wc = args["kv"].shape
     windows = int((args["seq_lens_causal"] % ratio == 0).sum())
     return rows * (16 * wc + 2 * d + 16) + windows * window_slots(ratio) * 8 * d
+
+
+def header(device: str, args: argparse.Namespace) -> dict[str, Any]:
+    """What every results file starts with: date, commit, device, versions, arguments."""
+    name = torch.cuda.get_device_name(device) if torch.device(device).type == "cuda" else "cpu"
+    return {"date": datetime.date.today().isoformat(), "commit": _commit(), "device": name,
+            "torch": torch.__version__, "transformers": transformers.__version__, "args": vars(args)}
+
+
+def _commit() -> str | None:
+    """The checkout's short HEAD, ``-dirty`` when tracked files differ from it; None outside git."""
+    def git(*argv: str) -> str:
+        return subprocess.run(["git", "-C", str(Path(__file__).parent), *argv], capture_output=True, text=True,
+                              check=True).stdout.strip()
+
+    try:
+        return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain", "-uno") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def compiled_ratios(times: dict[str, float | None]) -> dict[str, float]:
+    """``compiled_vs_<way>``: each other way's time over the ``compiled`` time (> 1: compiled is
+    faster); ways without a time are left out."""
+    if not times.get("compiled"):
+        return {}
+    return {f"compiled_vs_{way}": t / times["compiled"] for way, t in times.items() if way != "compiled" and t}

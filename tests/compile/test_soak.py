@@ -2,20 +2,10 @@
 random serving loop runs, its sampled per-layer and cache checks hold, and the JSON report has
 every figure."""
 
-import importlib.util
 import json
-from pathlib import Path
 
+from tests.support.benchmarks import load_benchmark
 from tests.support.oracle_asserts import CACHE_MAX_RTOL, CACHE_RMS_RTOL, LAYER_RTOL
-
-SOAK = Path(__file__).resolve().parents[2] / "benchmarks" / "soak.py"
-
-
-def _soak_module():
-    spec = importlib.util.spec_from_file_location("soak", SOAK)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_soak_smoke(tmp_path):
@@ -23,7 +13,7 @@ def test_soak_smoke(tmp_path):
     args = ["--steps", "12", "--check-every", "3", "--max-prompt", "80", "--max-new", "20", "--chunk", "48",
             "--max-requests", "3", "--max-seq-len", "256", "--memory-every", "0", "--compile",
             "--backend", "eager", "--json", str(out)]
-    assert _soak_module().main(args) == 0
+    assert load_benchmark("soak").main(args) == 0
     report = json.loads(out.read_text())
     assert report["steps"] == 12 and sum(report["steps_by_mode"].values()) == 12
     assert {"extend", "decode", "target_verify"} <= {m for m, n in report["steps_by_mode"].items() if n}
