@@ -15,6 +15,10 @@ Triton is installed; elsewhere the reference stays the kernel on every device.
 
 Where Triton is not installed (platforms it does not support) no CUDA kernel is registered: the
 package still imports and every op runs its reference.
+
+:class:`traced_references` makes the ops run as their (checked) reference code inside its block,
+so that a trace records the reference's aten ops instead of the op: what ``torch.export`` needs
+for a program that runs with libtorch alone (:mod:`dsv4_compile.export`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import functools
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 try:
     import triton  # noqa: F401
@@ -31,6 +36,8 @@ except ImportError:
     HAS_TRITON = False
 
 NAMESPACE = "dsv4"
+# op name -> its checked reference; ops without one (CUDA only) are absent
+_REFERENCES: dict[str, Callable] = {}
 
 
 def _checked(fn: Callable, check: Callable) -> Callable:
@@ -58,5 +65,31 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
         if cuda is not None and device_types is None and HAS_TRITON:
             op.register_kernel("cuda")(_checked(cuda, check))
         op.register_fake(_checked(fake, check))
+        if device_types is None:
+            _REFERENCES[name] = _checked(reference, check)
         return op
     return register
+
+
+class traced_references(TorchFunctionMode):
+    """Inside ``with traced_references():`` every ``torch.ops.dsv4.*`` call runs its checked
+    reference instead of dispatching to the op, so a tracer (``torch.export``) records plain aten
+    ops, in-place cache writes included. An op with no reference (CUDA only) raises
+    ``NotImplementedError`` naming it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        namespace, _, name = _qualified_name(func).partition("::")
+        if namespace != NAMESPACE:
+            return func(*args, **(kwargs or {}))
+        if name not in _REFERENCES:
+            raise NotImplementedError(f"dsv4.{name} has no reference implementation to trace (CUDA only)")
+        return _REFERENCES[name](*args, **(kwargs or {}))
+
+
+def _qualified_name(func) -> str:
+    """``ns::name`` of an ``OpOverloadPacket`` / ``OpOverload``; "" for anything else."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name
+    return ""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .functional import gather_or, hadamard, rms_norm, rope_tail
+from .functional import gather_or, hadamard, rms_norm, rope_tail, row_chunks
 
 _ROW_CHUNK_ELEMS = 1 << 22  # bound the [rows, S, Wc] gather of one chunk (fp32 elements)
 
@@ -56,9 +56,8 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
     score_ape = score + ape[pos % ratio]  # [T, Wc]
     chunk = max(1, _ROW_CHUNK_ELEMS // (slots * wc))
     pooled = [
-        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo, min(lo + chunk, num_rows),
-                   ratio, ring, d)
-        for lo in range(0, num_rows, chunk)
+        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo, hi, ratio, ring, d)
+        for lo, hi in row_chunks(num_rows, chunk)
     ]
     e = torch.cat(pooled, 0) if pooled else kv.new_zeros(0, d)  # [T, d] fp32
     y = rms_norm(e.to(torch.bfloat16), norm_weight, eps)

@@ -13,6 +13,16 @@ import operator
 import torch
 
 
+def row_chunks(num_rows: int, chunk: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` bounds of ``num_rows`` rows taken ``chunk`` at a time (bounding a reference's
+    dense working set when it runs eagerly). While a graph is traced (``torch.export`` with the
+    references substituted for the ops, :mod:`dsv4_compile.export`) the row count is symbolic and
+    a loop over it would specialise it: one chunk of every row then."""
+    if torch.compiler.is_compiling():
+        return [(0, num_rows)]
+    return [(lo, min(lo + chunk, num_rows)) for lo in range(0, num_rows, chunk)]
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (fp32 math, input dtype out)."""
     xf = x.float()
@@ -48,14 +58,25 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
                      dim=-1)
 
 
-@functools.lru_cache(maxsize=None)
 def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
     """Unscaled Sylvester Hadamard matrix ``[n, n]`` fp32, built once per device (so a CUDA-graph
-    capture never sees the host-to-device copy)."""
+    capture never sees the host-to-device copy); built afresh while a graph is traced (a cached
+    tensor made under a tracer's fake mode would outlive it)."""
+    if torch.compiler.is_compiling():
+        return _sylvester(n).to(device)
+    return _cached_hadamard_matrix(n, device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cached_hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:
+    return _sylvester(n).to(device)
+
+
+def _sylvester(n: int) -> torch.Tensor:
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return h.to(device)
+    return h
 
 
 def hadamard(x: torch.Tensor) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..layout import INDEX_PAGE_SIZE
-from .functional import gather_or, hadamard, rope_tail
+from .functional import gather_or, hadamard, rope_tail, row_chunks
 from .kv_store import gather_index_k
 from .quant import quantize_q_per_head
 
@@ -56,10 +56,10 @@ def indexer_logits(q_fp8: torch.Tensor, w: torch.Tensor, index_cache: torch.Tens
     slots = page_table.long()[:, j // INDEX_PAGE_SIZE] * INDEX_PAGE_SIZE + j % INDEX_PAGE_SIZE  # [T, N]
     chunk = max(1, _ROW_CHUNK_ELEMS // max(1, j.numel() * q_fp8.shape[-1]))
     out = []
-    for lo in range(0, num_rows, chunk):
-        keys = gather_index_k(index_cache, slots[lo:lo + chunk], INDEX_PAGE_SIZE)  # [C, N, 128]
-        dots = torch.einsum("chd,cnd->chn", q_fp8[lo:lo + chunk].float(), keys)  # [C, H, N]
-        out.append(torch.einsum("chn,ch->cn", dots.relu(), w[lo:lo + chunk].float()))
+    for lo, hi in row_chunks(num_rows, chunk):
+        keys = gather_index_k(index_cache, slots[lo:hi], INDEX_PAGE_SIZE)  # [C, N, 128]
+        dots = torch.einsum("chd,cnd->chn", q_fp8[lo:hi].float(), keys)  # [C, H, N]
+        out.append(torch.einsum("chn,ch->cn", dots.relu(), w[lo:hi].float()))
     return torch.cat(out, 0) if out else w.new_zeros(0, j.numel())
 
 

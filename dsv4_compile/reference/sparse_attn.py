@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import KVSet
+from .functional import row_chunks
 from .kv_store import gather_model1
 
 _ROW_CHUNK_KEYS = 1 << 15  # rows x keys gathered at once (each key 512 fp32)
@@ -33,9 +34,9 @@ def sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: tor
     width = sum(s.indices.shape[1] for s in sets)
     chunk = max(1, _ROW_CHUNK_KEYS // max(1, width))
     outs, lses = [], []
-    for lo in range(0, num_rows, chunk):
-        keys, valid = gather_rows(sets, lo, min(lo + chunk, num_rows), torch.float32)
-        o, lse = attend(q[lo:lo + chunk].float(), keys, valid, attn_sink.float(), softmax_scale)
+    for lo, hi in row_chunks(num_rows, chunk):
+        keys, valid = gather_rows(sets, lo, hi, torch.float32)
+        o, lse = attend(q[lo:hi].float(), keys, valid, attn_sink.float(), softmax_scale)
         outs.append(o.to(torch.bfloat16))
         lses.append(lse)
     if not outs:
