@@ -83,7 +83,7 @@ class ModelBackend(nn.Module):
         ``device_checks``: as :meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>`.
         """
         if validate and not torch.compiler.is_compiling():
-            _check_model_inputs(self, input_ids, step, logit_rows)
+            check_model_inputs(self, input_ids, step, logit_rows)
         embeds = self.model.model.embed_tokens(input_ids)
         meta = prepare_step(self, self.cache, embeds, step, validate, device_checks)
         caches = self.cache.layers
@@ -123,8 +123,9 @@ def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
     return model.lm_head(model.model.norm(model.model.hc_head(streams)))
 
 
-def _check_model_inputs(backend: ModelBackend, input_ids, step: StepInputs, logit_rows) -> None:
-    """Host checks of the model-specific inputs (the step itself is checked by ``validate_step``)."""
+def check_model_inputs(backend, input_ids, step: StepInputs, logit_rows) -> None:
+    """Host checks of the model-specific inputs of a step of ``backend`` (a ``ModelBackend`` or a
+    deployed package: its ``cache`` and ``vocab_size``); the step itself is checked by ``validate_step``."""
     device = backend.cache.device
     for name, t in (("input_ids", input_ids), ("logit_rows", logit_rows)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:
