@@ -69,9 +69,14 @@ class ModelBackend(nn.Module):
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    def new_logits(self, *shape: int) -> torch.Tensor:
+        """Zeros ``[*shape]`` in the dtype of the logits, on the cache's device (a plain tensor also
+        when ``lm_head``'s weight is a DTensor)."""
+        return torch.zeros(shape, dtype=self.model.lm_head.weight.dtype, device=self.cache.device)
+
     def empty_output(self, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """The logits of a step with no rows (nothing is computed or written)."""
-        return self.model.lm_head.weight.new_empty(logit_rows.shape[0], self.vocab_size)
+        return self.new_logits(logit_rows.shape[0], self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, step: StepInputs, logit_rows: torch.Tensor,
                 validate: bool = True, device_checks: bool | None = None) -> torch.Tensor:

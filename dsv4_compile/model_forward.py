@@ -70,7 +70,7 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
     spans = real_spans(input_ids, attention_mask)
     scored = [b for b, (lo, hi) in enumerate(spans) if hi > lo]
     rows = backend.runner.logits([input_ids[b, slice(*spans[b])] for b in scored])
-    logits = backend.model.lm_head.weight.new_zeros(*input_ids.shape, backend.vocab_size)  # the step's dtype
+    logits = backend.new_logits(*input_ids.shape, backend.vocab_size)
     for b, row_logits in zip(scored, rows):
         logits[b, slice(*spans[b])] = row_logits
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
