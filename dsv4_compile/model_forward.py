@@ -42,6 +42,11 @@ def install(backend: "ModelBackend") -> None:
         others = (position_ids, past_key_values, inputs_embeds,
                   *(v for k, v in kwargs.items() if k not in _NEUTRAL))
         if input_ids is None or any(v is not None and v is not False for v in others):
+            if backend.device_mesh is not None:
+                # transformers' attention broadcasts its one KV head to every query head of the model
+                raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
+                                 "attention heads are sharded (tensor parallelism): pass input_ids, "
+                                 "attention_mask and labels only, or generate() without a cache of your own")
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                             logits_to_keep=logits_to_keep, **kwargs)
