@@ -55,17 +55,18 @@ def test_sharded_logits_equal_one_device_within_reduction_order_noise(ranks):
 
 
 def test_compiled_sharded_step_is_one_graph_with_one_all_reduce_per_block(ranks):
-    """``compile_step`` on each rank: 0 graph breaks, the collectives inside the graph (an
-    all-reduce of each attention layer's and each MoE layer's partial sums; the vocabulary-parallel
-    embedding and the gathered logits are DTensor ops of the same graph), the eager logits bit for
-    bit."""
+    """``compile_step`` on each rank, of the model sharded by ``enable`` and of the one loaded with
+    expert parallelism: 0 graph breaks, the collectives inside the graph (an all-reduce of each
+    attention layer's and each MoE layer's partial sums; the vocabulary-parallel embedding and the
+    gathered logits are DTensor ops of the same graph), the eager logits bit for bit."""
     layers = 4
     for r in ranks:
-        assert r["graph_breaks"] == 0
-        assert 1 <= r["frames"] <= MAX_FRAMES
-        assert set(r["all_reduces"]) == {2 * layers}
-        for p in PARTS:
-            assert torch.equal(r["compiled"][p], r["eager"][p]), p
+        for compiled, eager in ((r["compiled"], r["eager"]), (r["loaded_ep_compiled"], r["loaded_ep"])):
+            assert compiled["graph_breaks"] == 0
+            assert 1 <= compiled["frames"] <= MAX_FRAMES
+            assert set(compiled["all_reduces"]) == {2 * layers}
+            for p in PARTS:
+                assert torch.equal(compiled["logits"][p], eager[p]), p
 
 
 def test_the_models_forward_and_sampling_run_on_the_mesh(ranks):

@@ -44,9 +44,9 @@ def run_rank(rank: int, checkpoint: str, out_dir: str) -> None:
 
 
 def measure(checkpoint: str, mesh) -> dict:
-    """Logits of :func:`scenario` on one device and on the mesh (eager, compiled, loaded sharded),
-    the compiled step's graph breaks / frames / all-reduces, the cache and allocator afterwards, and
-    the model's own forward and the runner's sampling on the mesh."""
+    """Logits of :func:`scenario` on one device and on the mesh (sharded by ``enable`` and loaded
+    sharded, eager and compiled: the graph breaks, frames and all-reduces), the cache and allocator
+    afterwards, and the model's own forward and the runner's sampling on the mesh."""
     model = load(checkpoint)
     backend = enable(model, **CACHE)
     results = {"reference": scenario(backend.runner), "reference_forward": forward(model)}
@@ -57,10 +57,12 @@ def measure(checkpoint: str, mesh) -> dict:
     results["shards_own_their_storage"] = all(  # no rank keeps a whole weight behind its slice
         p.to_local().untyped_storage().nbytes() == p.to_local().nbytes for p in model.parameters()
         if isinstance(p, DTensor))
-    results.update(compiled(backend), forward=forward(model), forward_error=transformers_forward_error(model))
+    results.update(compiled=compiled(backend), forward=forward(model))
+    results["forward_error"] = transformers_forward_error(model)
     results["sampled"] = backend.runner.generate([ids(5, seed=3)], 4, temperature=1.0)  # seed=None
     loaded = load(checkpoint, ep_size=WORLD, tp_plan=ATTENTION_TP_PLAN)  # experts split by expert
-    results["loaded_ep"] = scenario(enable(loaded, **CACHE).runner)
+    ep_backend = enable(loaded, **CACHE)
+    results["loaded_ep"], results["loaded_ep_compiled"] = scenario(ep_backend.runner), compiled(ep_backend)
     results["same_attention_shards"] = all(
         torch.equal(a.to_local(), b.to_local()) for a, b in zip(attention_shards(model), attention_shards(loaded)))
     default_plan = load(checkpoint, tp_plan=None)  # transformers' own plan: the attention replicated
@@ -88,7 +90,7 @@ def compiled(backend) -> dict:
         logits = scenario(ModelRunner(backend, step_fn=compile_step(backend, backend=capture)))
         all_reduces = [sum(str(n.target) == "_c10d_functional.all_reduce" for n in g.graph.nodes)
                        for g in capture.graphs]
-        return {"compiled": logits, "graph_breaks": graph_breaks(), "frames": capture.frame_count,
+        return {"logits": logits, "graph_breaks": graph_breaks(), "frames": capture.frame_count,
                 "all_reduces": all_reduces}
 
 
