@@ -1,7 +1,8 @@
-"""Tensor parallelism on 2 CPU processes over gloo: the tiny model (8 heads: 4 a rank; 2 output
-groups: 1 a rank) sharded by ``enable(device_mesh=...)`` gives the logits of the model on one
-device, eager and compiled, and every rank holds the same cache; ``transformers``' own loader with
-our attention plan (experts split by expert) gives them too.
+"""Tensor parallelism on 2 CPU processes over gloo (the ``gpu`` variants: 2 GPUs over NCCL): the
+tiny model (8 heads: 4 a rank; 2 output groups: 1 a rank) sharded by ``enable(device_mesh=...)``
+gives the logits of the model on one device, eager and compiled, and every rank holds the same
+cache; ``transformers``' own loader with our attention plan (experts split by expert) gives them
+too.
 
 One spawn of two ranks (``tests/support/tp_worker.py``) measures everything; the tests compare what
 the ranks saved.
@@ -24,13 +25,16 @@ PARTS = ("prefill", "mixed", "decode")
 # entry that lands on the other side of a rounding boundary into the larger differences. For
 # scale: the FP8 oracle is 0.0027 (mean) from the paged backend on one device (test_model_step).
 MEAN_TOLERANCE, MAX_TOLERANCE, AGREEMENT = 0.008, 0.2, 0.95
+_TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 
 
-@pytest.fixture(scope="module")
-def ranks(tiny_hf_dir, tmp_path_factory) -> list[dict]:
-    """What each of the 2 ranks measured (``tp_worker.measure``)."""
+@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=[
+    pytest.mark.gpu, pytest.mark.skipif(not _TWO_GPUS, reason="needs 2 CUDA devices")])])
+def ranks(request, tiny_hf_dir, tmp_path_factory) -> list[dict]:
+    """What each of the 2 ranks measured (``tp_worker.measure``): CPU processes over gloo, or 2 GPUs
+    over NCCL."""
     out = tmp_path_factory.mktemp("tp")
-    mp.spawn(tp_worker.run_rank, args=(str(tiny_hf_dir), str(out)), nprocs=tp_worker.WORLD)
+    mp.spawn(tp_worker.run_rank, args=(str(tiny_hf_dir), str(out), request.param), nprocs=tp_worker.WORLD)
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(tp_worker.WORLD)]
 
 

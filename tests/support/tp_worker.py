@@ -1,6 +1,6 @@
 """The ranks' side of ``tests/model/test_tensor_parallel.py``: ``torch.multiprocessing.spawn`` runs
-:func:`run_rank` in 2 processes over gloo; each saves what it measured to ``rank{r}.pt`` for the
-test process to compare.
+:func:`run_rank` in 2 processes, over gloo on the CPU or NCCL on 2 GPUs; each saves what it
+measured to ``rank{r}.pt`` for the test process to compare.
 
 Every rank runs the same steps on the tiny checkpoint: first the model on one device (the
 reference, computed on each rank alike), then the model sharded by ``enable(device_mesh=...)``,
@@ -30,24 +30,33 @@ VOCAB = 512
 CACHE = dict(max_requests=2, max_seq_len=256)
 
 
-def run_rank(rank: int, checkpoint: str, out_dir: str) -> None:
-    """One rank: join the gloo group (a file store in ``out_dir``), measure, save ``rank{rank}.pt``."""
-    os.environ["HF_HUB_OFFLINE"] = "1"
+def run_rank(rank: int, checkpoint: str, out_dir: str, device_type: str = "cpu") -> None:
+    """One rank on the CPU (gloo) or on ``cuda:rank`` (NCCL): join the group (a file store in
+    ``out_dir``), measure, save ``rank{rank}.pt`` (on the CPU)."""
+    os.environ.update(HF_HUB_OFFLINE="1", LOCAL_RANK=str(rank))  # transformers' loader binds cuda:LOCAL_RANK
     torch.set_num_threads(1)  # two ranks on two cores
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"file://{out_dir}/store", rank=rank, world_size=WORLD)
     try:
         with torch.no_grad():
-            results = measure(checkpoint, init_device_mesh("cpu", (WORLD,)))
-        torch.save(results, f"{out_dir}/rank{rank}.pt")
+            results = measure(checkpoint, init_device_mesh(device_type, (WORLD,)))
+        torch.save(_to_cpu(results), f"{out_dir}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+def _to_cpu(results):
+    """``results`` with every tensor on the CPU."""
+    return torch.utils._pytree.tree_map(lambda v: v.cpu() if isinstance(v, torch.Tensor) else v, results)
 
 
 def measure(checkpoint: str, mesh) -> dict:
     """Logits of :func:`scenario` on one device and on the mesh (sharded by ``enable`` and loaded
     sharded, eager and compiled: the graph breaks, frames and all-reduces), the cache and allocator
     afterwards, and the model's own forward and the runner's sampling on the mesh."""
-    model = load(checkpoint)
+    model = load(checkpoint).to(mesh.device_type)  # cuda: the rank's device
     backend = enable(model, **CACHE)
     results = {"reference": scenario(backend.runner), "reference_forward": forward(model)}
     backend.close()
@@ -146,13 +155,13 @@ def attention_shards(model) -> list[torch.Tensor]:
 
 def forward(model) -> torch.Tensor:
     """The model's own forward (the backend's, once enabled) of a 20-token row: logits fp32."""
-    return model(torch.tensor([ids(20, seed=4)])).logits[0].float()
+    return model(torch.tensor([ids(20, seed=4)], device=model.device)).logits[0].float()
 
 
 def transformers_forward_error(model) -> str:
     """What a call that would run ``transformers``' own forward says on a sharded model."""
     try:
-        model(torch.tensor([ids(4, seed=5)]), position_ids=torch.arange(4)[None])
+        model(torch.tensor([ids(4, seed=5)], device=model.device), position_ids=torch.arange(4)[None])
     except ValueError as e:
         return str(e)
     return "no error"
