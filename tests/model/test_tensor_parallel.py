@@ -74,15 +74,17 @@ def test_compiled_sharded_step_is_one_graph_with_one_all_reduce_per_block(ranks)
 
 
 def test_the_models_forward_and_sampling_run_on_the_mesh(ranks):
-    """``model(input_ids)`` scores through the sharded backend; ``runner.generate`` with sampling and
-    no seed draws the first rank's seed on every rank, so the ranks keep running the same steps;
-    a call that would run ``transformers``' own forward (which broadcasts its one KV head to every
-    head of the model) raises."""
+    """``model(input_ids)`` scores and ``model.generate()`` decodes through the sharded backend;
+    ``runner.generate`` with sampling and no seed draws the first rank's seed on every rank, so the
+    ranks keep running the same steps; a call that would run ``transformers``' own forward (which
+    broadcasts its one KV head to every head of the model) raises."""
     for r in ranks:
         err = (r["forward"] - r["reference_forward"]).abs()
         assert err.mean() < MEAN_TOLERANCE and err.max() < MAX_TOLERANCE
         assert "does not run on a model whose attention heads are sharded" in r["forward_error"]
     assert ranks[0]["sampled"] == ranks[1]["sampled"] and len(ranks[0]["sampled"][0]) == 4
+    hf_generate, runner_greedy = ranks[0]["generate"]  # model.generate over the backend's paged cache
+    assert hf_generate == runner_greedy and ranks[1]["generate"] == ranks[0]["generate"]
 
 
 def test_ranks_hold_the_same_cache_and_allocator(ranks):

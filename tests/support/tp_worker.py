@@ -69,6 +69,9 @@ def measure(checkpoint: str, mesh) -> dict:
     results.update(compiled=compiled(backend), forward=forward(model))
     results["forward_error"] = transformers_forward_error(model)
     results["sampled"] = backend.runner.generate([ids(5, seed=3)], 4, temperature=1.0)  # seed=None
+    prompt = torch.tensor([ids(5, seed=3)], device=model.device)
+    results["generate"] = (model.generate(prompt, max_new_tokens=4, do_sample=False)[0, 5:].tolist(),
+                           backend.runner.generate(prompt, 4)[0])
     loaded = load(checkpoint, ep_size=WORLD, tp_plan=ATTENTION_TP_PLAN)  # experts split by expert
     ep_backend = enable(loaded, **CACHE)
     results["loaded_ep"], results["loaded_ep_compiled"] = scenario(ep_backend.runner), compiled(ep_backend)
