@@ -4,6 +4,7 @@ Usage:
     python -m dsv4_compile                                 # built-in model and corpus, perplexity
     python -m dsv4_compile --model DIR --data FILE.jsonl   # a checkpoint on your own sequences
     python -m dsv4_compile --task generate --json out.json # greedy generation, results as JSON
+    torchrun --nproc-per-node 2 -m dsv4_compile            # tensor-parallel over 2 processes
 
 Without ``--model`` it builds a small random DeepSeek V4 model (every attention layer type, hash
 and learned MoE layers, hyper-connections) from the config shipped in the package, and without
@@ -13,12 +14,15 @@ sequence with continuous batching, after a warm-up that compiles every frame the
 The summary gives tokens/s (compilation excluded), warm-up and compilation time, the Dynamo frames
 compiled after warm-up (0 expected; the exit status is 1 otherwise), the perplexity, and the
 agreement with ``transformers`` eager on a sample of the sequences (all with ``--compare-eager``).
+Under torchrun the model runs tensor-parallel over the processes (one GPU each, or the CPU), with
+no comparison with ``transformers`` eager (which needs the whole model); the first rank prints.
 Bad input ends in one error line and exit status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -64,18 +68,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_device(name: str | None) -> torch.device:
-    """``name`` as a usable device (default: ``cuda`` when available, else ``cpu``)."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+def check_device(name: str | None, local_rank: int | None = None) -> torch.device:
+    """``name`` as a usable device (default: ``cuda`` when available, else ``cpu``); under torchrun
+    (``local_rank``) the rank's own ``cuda:LOCAL_RANK``."""
     try:
-        device = torch.device(name)
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
     except RuntimeError:
         raise InputError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N") from None
     if device.type == "cpu":
         return device
     if device.type != "cuda":
         raise InputError(f"--device {name!r}: only cpu and cuda are supported")
+    if local_rank is not None:
+        if device.index is not None:
+            raise InputError(f"--device {name!r}: under torchrun each rank runs on cuda:LOCAL_RANK; pass --device cuda")
+        device = torch.device("cuda", local_rank)
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if not count:
         raise InputError(f"--device {name!r}: no CUDA device is available")
@@ -86,7 +93,10 @@ def check_device(name: str | None) -> torch.device:
 
 def make_plan(args: argparse.Namespace) -> Plan:
     """The checked :class:`Plan` of the command line; :class:`InputError` names what is wrong."""
-    device = check_device(args.device)
+    ranks, local_rank = _torchrun_ranks()
+    device = check_device(args.device, local_rank if ranks > 1 else None)
+    if ranks > 1 and args.compare_eager:
+        raise InputError("--compare-eager: transformers eager needs the whole model in one process, not under torchrun")
     if args.json is not None and not args.json.parent.is_dir():
         raise InputError(f"--json {args.json}: no directory {args.json.parent}")
     if args.max_seq_len is not None and args.max_seq_len % PAGE_SIZE:
@@ -103,7 +113,12 @@ def make_plan(args: argparse.Namespace) -> Plan:
     check_lengths(corpus, max_seq_len, new_tokens)
     return Plan(config=config, corpus=corpus, device=device, model_dir=args.model, seed=args.seed, task=args.task,
                 max_new_tokens=args.max_new_tokens, batch=args.batch, max_seq_len=max_seq_len,
-                compiled=args.compile, compare_all=args.compare_eager)
+                compiled=args.compile, compare_all=args.compare_eager, tp_size=ranks)
+
+
+def _torchrun_ranks() -> tuple[int, int]:
+    """``(WORLD_SIZE, LOCAL_RANK)`` that torchrun sets (1 and 0 without it)."""
+    return int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
 
 
 def main(argv=None) -> int:
@@ -115,9 +130,10 @@ def main(argv=None) -> int:
         return 2
     quiet_libraries()
     results = evaluate(plan)
-    print(summary(results))
-    if args.json is not None:
-        write_json(results, args.json)
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the same results
+        print(summary(results))
+        if args.json is not None:
+            write_json(results, args.json)
     return 0 if not results["recompiles_after_warmup"] else 1
 
 

@@ -111,14 +111,17 @@ class DSV4AttnConfig:
             raise ValueError(f"unknown preset {name!r}; choose one of {sorted(_PRESETS)}") from None
 
     @classmethod
-    def from_hf(cls, config, *, max_draft_tokens: int = 4) -> "DSV4AttnConfig":
+    def from_hf(cls, config, *, max_draft_tokens: int = 4, tp_size: int = 1) -> "DSV4AttnConfig":
         """The attention settings of a transformers ``DeepseekV4Config`` (docs/semantics.md §1.5).
 
-        Raises ``ValueError`` naming the transformers field for a setting the backend does not
-        support. transformers is imported here, on first use, not with this module."""
+        ``tp_size > 1``: the settings of one rank of a tensor-parallel group, whose attention holds
+        ``num_heads / tp_size`` query heads and ``o_groups / tp_size`` output groups (docs/model.md,
+        "Tensor parallelism"). Raises ``ValueError`` naming the transformers field for a setting
+        the backend does not support. transformers is imported here, on first use, not with this
+        module."""
         from .hf_config import attn_config_from_hf
 
-        return attn_config_from_hf(config, max_draft_tokens=max_draft_tokens)
+        return attn_config_from_hf(config, max_draft_tokens=max_draft_tokens, tp_size=tp_size)
 
 
 def _require(ok: bool, name: str, value, why: str) -> None:

@@ -119,7 +119,7 @@ class DSV4PagedCache(Cache):
         kept = {row: int(real[b, width - keep:].sum()) for b, row in enumerate(self.rows)}
         rows_logits = feed(self.backend.runner, tokens, kept)
         self._real = torch.cat([self._real, real], 1)
-        logits = self.backend.model.lm_head.weight.new_zeros(batch, keep, self.backend.vocab_size)
+        logits = self.backend.new_logits(batch, keep, self.backend.vocab_size)
         for b, row in enumerate(self.rows):
             logits[b, real[b, width - keep:].to(logits.device)] = rows_logits[row]
         return logits
@@ -174,5 +174,5 @@ def feed(runner: "ModelRunner", tokens: dict[int, list[int]], keep: dict[int, in
         logits = runner.run_step(step, ids, logit_rows)
         for row, start, n in parts:
             out[row].append(logits[start:start + n])
-    empty = runner.backend.model.lm_head.weight.new_zeros(0, runner.backend.vocab_size)
+    empty = runner.backend.new_logits(0, runner.backend.vocab_size)
     return {row: torch.cat(p) if p else empty for row, p in out.items()}

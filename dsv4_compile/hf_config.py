@@ -18,9 +18,12 @@ LAYER_TYPE_RATIOS = {"sliding_attention": 0, "compressed_sparse_attention": 4,
                      "heavily_compressed_attention": 128}
 
 
-def attn_config_from_hf(config: DeepseekV4Config, *, max_draft_tokens: int = 4) -> DSV4AttnConfig:
-    """The attention-path settings of ``config`` (its MTP layer is not included)."""
+def attn_config_from_hf(config: DeepseekV4Config, *, max_draft_tokens: int = 4, tp_size: int = 1
+                        ) -> DSV4AttnConfig:
+    """The attention-path settings of ``config`` (its MTP layer is not included); with ``tp_size > 1``
+    those of one rank of a tensor-parallel group: its share of the query heads and output groups."""
     _check_fixed_dims(config)
+    _check_tp_size(config, tp_size)
     rope = config.rope_parameters
     for label in ("main", "compress"):
         rotary = int(config.head_dim * rope[label].get("partial_rotary_factor", 1.0))
@@ -30,8 +33,8 @@ def attn_config_from_hf(config: DeepseekV4Config, *, max_draft_tokens: int = 4) 
     _require(main_type == "default", 'rope_parameters["main"]["rope_type"]', main_type,
              "must be 'default' (sliding-window layers use plain RoPE)")
     return DSV4AttnConfig(
-        hidden_size=config.hidden_size, num_heads=config.num_attention_heads,
-        q_lora_rank=config.q_lora_rank, o_lora_rank=config.o_lora_rank, o_groups=config.o_groups,
+        hidden_size=config.hidden_size, num_heads=config.num_attention_heads // tp_size,
+        q_lora_rank=config.q_lora_rank, o_lora_rank=config.o_lora_rank, o_groups=config.o_groups // tp_size,
         compress_ratios=compress_ratios(config), index_n_heads=config.index_n_heads,
         index_topk=config.index_topk, rope_theta=float(rope["main"]["rope_theta"]),
         compress_rope_theta=float(rope["compress"]["rope_theta"]),
@@ -63,6 +66,17 @@ def _check_fixed_dims(config: DeepseekV4Config) -> None:
     _require(kv_heads == 1, "num_key_value_heads", kv_heads, "must be 1 (one shared KV head)")
     _require(config.index_topk > 0 and config.index_topk % INDEX_ALIGN == 0, "index_topk",
              config.index_topk, f"must be a positive multiple of {INDEX_ALIGN}")
+
+
+def _check_tp_size(config: DeepseekV4Config, tp_size: int) -> None:
+    """A rank holds whole heads and whole output groups (each group projects its own run of heads)."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+    for field in ("num_attention_heads", "o_groups"):
+        value = getattr(config, field)
+        _require(value % tp_size == 0, field, value,
+                 f"must be divisible by the tensor-parallel size {tp_size} (each rank holds whole heads and "
+                 "whole output groups)")
 
 
 def _yarn_fields(config: DeepseekV4Config) -> dict:

@@ -59,11 +59,13 @@ class HFAttention(nn.Module):
     submodule ``attn``: parameters are shared, never copied).
 
     ``inv_freq`` is the layer's RoPE table (docs/semantics.md §1.2), a non-persistent buffer.
+    ``sharded``: the attention's heads are sharded over tensor-parallel ranks
+    (:mod:`dsv4_compile.parallel`; ``config`` is the rank's), its ``sinks`` a DTensor.
     """
 
-    def __init__(self, attn: nn.Module, config: DSV4AttnConfig, layer_id: int):
+    def __init__(self, attn: nn.Module, config: DSV4AttnConfig, layer_id: int, sharded: bool = False):
         super().__init__()
-        self.attn, self.config, self.layer_id = attn, config, layer_id
+        self.attn, self.config, self.layer_id, self.sharded = attn, config, layer_id, sharded
         self.ratio = config.compress_ratios[layer_id]
         eps = config.rms_norm_eps
         self.compressor = HFCompressor(attn.compressor, HEAD_DIM, self.ratio, False, eps) if self.ratio else None
@@ -73,8 +75,10 @@ class HFAttention(nn.Module):
 
     @property
     def attn_sink(self) -> torch.Tensor:
-        """``[H]`` fp32 per-head sink logits (``transformers`` keeps them in fp32 when loading)."""
-        return self.attn.sinks.float()
+        """``[H]`` fp32 per-head sink logits (``transformers`` keeps them in fp32 when loading); the
+        rank's heads when sharded."""
+        sinks = self.attn.sinks
+        return (sinks.to_local() if self.sharded else sinks).float()
 
     def project_q_kv(self, x: torch.Tensor, positions: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

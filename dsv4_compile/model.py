@@ -5,16 +5,19 @@ paged FP8 cache (:class:`~dsv4_compile.cache.DSV4Cache`) and its host-side
 :class:`~dsv4_compile.allocator.PageAllocator`, and whose ``forward(input_ids, step, logit_rows)`` is
 one whole model step over the cache — the function to compile (:func:`dsv4_compile.compile.compile_step`).
 
-The model is not modified: its parameters, buffers and checkpoint names stay as they are. Each
-layer's attention runs through :class:`~dsv4_compile.hf_layer.HFAttention` (the model's own
-modules, read through the backend's layer protocol); everything else — embedding,
-hyper-connections, norms, MoE, head — is the model's own modules called on the flat token
-layout ``[1, T, ...]`` (one "batch" row holding every query row of the step).
+The model is not modified: its parameters, buffers and checkpoint names stay as they are (under
+tensor parallelism, :mod:`dsv4_compile.parallel`, the sharded ones become DTensors holding the
+rank's slice, under the same names). Each layer's attention runs through
+:class:`~dsv4_compile.hf_layer.HFAttention` (the model's own modules, read through the backend's
+layer protocol); everything else — embedding, hyper-connections, norms, MoE, head — is the model's
+own modules called on the flat token layout ``[1, T, ...]`` (one "batch" row holding every query
+row of the step).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -27,6 +30,9 @@ from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
 from .runner import ModelRunner
 from .step import StepInputs
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 # The MoE experts implementation the backend sets (docs/model.md, "Experts"): one grouped GEMM over
 # the tokens sorted by expert, with device-side group offsets (no host sync, no graph break), reading
@@ -47,14 +53,17 @@ class ModelBackend(nn.Module):
 
     Args:
         model: the ``transformers`` model (bf16), registered as the submodule ``model``.
-        config: its attention config (``DSV4AttnConfig.from_hf(model.config)``).
+        config: its attention config (``DSV4AttnConfig.from_hf(model.config, tp_size=...)``).
         cache: the paged cache the steps read and write.
+        device_mesh: the 1-D mesh of the tensor-parallel ranks the model is sharded over
+            (:mod:`dsv4_compile.parallel`), ``None`` on one device.
     """
 
-    def __init__(self, model: nn.Module, config: DSV4AttnConfig, cache: DSV4Cache):
+    def __init__(self, model: nn.Module, config: DSV4AttnConfig, cache: DSV4Cache,
+                 device_mesh: DeviceMesh | None = None):
         super().__init__()
-        self.model, self.config, self.cache = model, config, cache
-        self.attn_layers = nn.ModuleList(HFAttention(layer.self_attn, config, i)
+        self.model, self.config, self.cache, self.device_mesh = model, config, cache, device_mesh
+        self.attn_layers = nn.ModuleList(HFAttention(layer.self_attn, config, i, sharded=device_mesh is not None)
                                          for i, layer in enumerate(model.model.layers))
         self.allocator = PageAllocator(cache)
         self.runner = ModelRunner(self)
@@ -69,9 +78,14 @@ class ModelBackend(nn.Module):
     def vocab_size(self) -> int:
         return self.model.config.vocab_size
 
+    def new_logits(self, *shape: int) -> torch.Tensor:
+        """Zeros ``[*shape]`` in the dtype of the logits, on the cache's device (a plain tensor also
+        when ``lm_head``'s weight is a DTensor)."""
+        return torch.zeros(shape, dtype=self.model.lm_head.weight.dtype, device=self.cache.device)
+
     def empty_output(self, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
         """The logits of a step with no rows (nothing is computed or written)."""
-        return self.model.lm_head.weight.new_empty(logit_rows.shape[0], self.vocab_size)
+        return self.new_logits(logit_rows.shape[0], self.vocab_size)
 
     def forward(self, input_ids: torch.Tensor, step: StepInputs, logit_rows: torch.Tensor,
                 validate: bool = True, device_checks: bool | None = None) -> torch.Tensor:
@@ -143,7 +157,8 @@ def check_model_inputs(backend, input_ids, step: StepInputs, logit_rows) -> None
 
 def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_tokens: int = 4,
            num_full_pages: int | None = None, num_swa_pages: int | None = None,
-           experts_implementation: str = EXPERTS_IMPLEMENTATION) -> ModelBackend:
+           experts_implementation: str = EXPERTS_IMPLEMENTATION, device_mesh: DeviceMesh | None = None
+           ) -> ModelBackend:
     """The backend for ``model`` (a bf16 ``DeepseekV4ForCausalLM``), with a cache of
     ``max_requests`` concurrent requests of up to ``max_seq_len`` tokens on the model's device.
 
@@ -151,6 +166,11 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     see :mod:`dsv4_compile.model_forward`) and as the cache of ``model.generate()`` (greedy,
     sampling and assisted generation, see :mod:`dsv4_compile.hf_generate`) until
     ``backend.close()``.
+
+    Tensor parallelism (docs/model.md, "Tensor parallelism"): with ``device_mesh`` (a 1-D
+    ``DeviceMesh`` of the ranks, every rank calling ``enable`` alike) the model is sharded over it in
+    place (:func:`dsv4_compile.parallel.parallelize`); a model loaded sharded with
+    ``DistributedConfig(tp_plan=dsv4_compile.parallel.ATTENTION_TP_PLAN)`` runs over its own mesh.
 
     Sets the model's MoE experts implementation (``experts_implementation``, default
     :data:`EXPERTS_IMPLEMENTATION`: it compiles without graph breaks or host syncs).
@@ -160,11 +180,17 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
     if param.dtype != torch.bfloat16:
         raise ValueError(f"model: the backend runs bf16 models, this one holds {param.dtype} parameters "
                          "(load it with dtype=torch.bfloat16)")
-    config = DSV4AttnConfig.from_hf(model.config, max_draft_tokens=max_draft_tokens)
-    model.set_experts_implementation(experts_implementation)
+    from . import parallel  # torch.distributed.tensor, which transformers' models import anyway
+
+    mesh = parallel.resolve_mesh(model, device_mesh)
+    config = DSV4AttnConfig.from_hf(model.config, max_draft_tokens=max_draft_tokens,
+                                    tp_size=1 if mesh is None else mesh.size())
     cache = DSV4Cache(config, max_requests=max_requests, max_seq_len=max_seq_len, num_full_pages=num_full_pages,
                       num_swa_pages=num_swa_pages, device=param.device)
-    backend = ModelBackend(model.eval(), config, cache)
+    if mesh is not None:  # after every check: sharding changes the model
+        parallel.parallelize(model, mesh)
+    model.set_experts_implementation(experts_implementation)
+    backend = ModelBackend(model.eval(), config, cache, mesh)
     model_forward.install(backend)
     hf_generate.install(backend)
     return backend

@@ -42,6 +42,11 @@ def install(backend: "ModelBackend") -> None:
         others = (position_ids, past_key_values, inputs_embeds,
                   *(v for k, v in kwargs.items() if k not in _NEUTRAL))
         if input_ids is None or any(v is not None and v is not False for v in others):
+            if backend.device_mesh is not None:
+                # transformers' attention broadcasts its one KV head to every query head of the model
+                raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
+                                 "attention heads are sharded (tensor parallelism): pass input_ids, "
+                                 "attention_mask and labels only, or generate() without a cache of your own")
             return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
                             logits_to_keep=logits_to_keep, **kwargs)
@@ -70,7 +75,7 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
     spans = real_spans(input_ids, attention_mask)
     scored = [b for b, (lo, hi) in enumerate(spans) if hi > lo]
     rows = backend.runner.logits([input_ids[b, slice(*spans[b])] for b in scored])
-    logits = backend.model.lm_head.weight.new_zeros(*input_ids.shape, backend.vocab_size)  # the step's dtype
+    logits = backend.new_logits(*input_ids.shape, backend.vocab_size)
     for b, row_logits in zip(scored, rows):
         logits[b, slice(*spans[b])] = row_logits
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep

@@ -119,7 +119,8 @@ class ModelRunner(StepBuilder):
         """The new tokens of each prompt: up to ``max_new_tokens``, ending early after the first
         token in ``stop_ids`` (which is included). ``temperature == 0`` is greedy; otherwise tokens are
         drawn on the device (see :func:`~dsv4_compile.sampling.sample_tokens`) from a
-        ``torch.Generator`` seeded with ``seed`` (``None``: a random seed). ``stop(i, new_tokens)``,
+        ``torch.Generator`` seeded with ``seed`` (``None``: a random seed, under tensor parallelism
+        the first rank's on every rank). ``stop(i, new_tokens)``,
         called after each token of ``prompts[i]``, ends that request when it returns True (stop
         strings: decode and search the new tokens)."""
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
@@ -130,6 +131,10 @@ class ModelRunner(StepBuilder):
         if max_new_tokens == 0:
             return out
         generator = torch.Generator(device=self.device)
+        if seed is None and self.backend.device_mesh is not None:  # the ranks must draw the same tokens
+            from .parallel import shared_seed
+
+            seed = shared_seed(self.backend.device_mesh)
         if seed is None:
             generator.seed()
         else:

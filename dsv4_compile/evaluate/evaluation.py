@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
 
 from .eager import compare_generations, compare_scores, sample
 from .inputs import Corpus, builtin_model, load_checkpoint
@@ -35,12 +36,15 @@ class Plan:
     max_seq_len: int = 1024
     compiled: bool = True
     compare_all: bool = False
+    tp_size: int = 1  # > 1: one process of a torchrun group of this many, tensor-parallel
 
 
 def evaluate(plan: Plan) -> dict:
     """Run ``plan``: the results as a JSON-ready dict (see :func:`dsv4_compile.evaluate.report.summary`)."""
+    # torchrun's ranks: init_device_mesh joins the process group its environment describes
+    mesh = init_device_mesh(plan.device.type, (plan.tp_size,)) if plan.tp_size > 1 else None
     runner, how = make_runner(load_model(plan), batch=plan.batch, max_seq_len=plan.max_seq_len,
-                              compiled=plan.compiled)
+                              compiled=plan.compiled, device_mesh=mesh)
     try:
         results = _perplexity(plan, runner) if plan.task == "perplexity" else _generate(plan, runner)
         # frames compiled after warm-up, by the loop and by the eager comparison's steps
@@ -48,23 +52,28 @@ def evaluate(plan: Plan) -> dict:
         results["recompiles_after_warmup"] = frames if runner.step_fn is not runner.backend else None
     finally:
         runner.backend.close()
+        if mesh is not None:
+            torch.distributed.destroy_process_group()
     lengths = [len(s) for s in plan.corpus.sequences]
     return {"model": describe(plan), "device": str(plan.device), "step": how, "task": plan.task,
             "sequences": len(lengths), "min_length": min(lengths), "max_length": max(lengths), **results}
 
 
 def load_model(plan: Plan) -> torch.nn.Module:
-    """The plan's model on its device: the checkpoint, or the built-in model drawn from its seed."""
+    """The plan's model on its device: the checkpoint (each rank's shards under tensor parallelism),
+    or the built-in model drawn from its seed (the same weights on every rank)."""
     if plan.model_dir is None:
         return builtin_model(plan.device, plan.seed)
-    return load_checkpoint(plan.model_dir, plan.config, plan.device)
+    return load_checkpoint(plan.model_dir, plan.config, plan.device, plan.tp_size)
 
 
 def _perplexity(plan: Plan, runner) -> dict:
     sequences = plan.corpus.sequences
     log_probs, timing = timed(runner, lambda: score_all(runner, sequences))
-    picked = sample([len(s) for s in sequences], None if plan.compare_all else EAGER_SAMPLE)
-    eager = compare_scores(runner, [sequences[i] for i in picked])
+    eager = None
+    if plan.tp_size == 1:  # transformers eager runs the whole model
+        picked = sample([len(s) for s in sequences], None if plan.compare_all else EAGER_SAMPLE)
+        eager = compare_scores(runner, [sequences[i] for i in picked])
     return {**_timing(timing, plan.corpus.num_tokens), "perplexity": perplexity(log_probs),
             "scored_tokens": sum(t.numel() for t in log_probs), "eager": eager}
 
@@ -72,12 +81,15 @@ def _perplexity(plan: Plan, runner) -> dict:
 def _generate(plan: Plan, runner) -> dict:
     prompts, n = plan.corpus.sequences, plan.max_new_tokens
     outputs, timing = timed(runner, lambda: generate_all(runner, prompts, n))
-    picked = sample([len(s) for s in prompts], None if plan.compare_all else EAGER_SAMPLE)
-    gen = compare_generations(runner.backend.model, [prompts[i] for i in picked], [outputs[i] for i in picked], n)
-    eager = compare_scores(runner, [prompts[i] + e for i, e in zip(picked, gen.pop("eager"))])
+    eager = None
+    if plan.tp_size == 1:  # transformers eager runs the whole model
+        picked = sample([len(s) for s in prompts], None if plan.compare_all else EAGER_SAMPLE)
+        gen = compare_generations(runner.backend.model, [prompts[i] for i in picked], [outputs[i] for i in picked],
+                                  n)
+        eager = {**compare_scores(runner, [prompts[i] + e for i, e in zip(picked, gen.pop("eager"))]), **gen}
     new_tokens = sum(map(len, outputs))
     return {**_timing(timing, plan.corpus.num_tokens + new_tokens), "new_tokens": new_tokens,
-            "new_tokens_per_s": new_tokens / timing.loop_s, "eager": {**eager, **gen}, "outputs": outputs}
+            "new_tokens_per_s": new_tokens / timing.loop_s, "eager": eager, "outputs": outputs}
 
 
 def _timing(timing: Timing, tokens: int) -> dict:

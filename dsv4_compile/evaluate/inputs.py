@@ -14,8 +14,10 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM, PretrainedConfig
+from transformers.distributed import DistributedConfig
 
 from ..config import DSV4AttnConfig
+from ..parallel import ATTENTION_TP_PLAN
 from ..testing.random_model import random_hf_model
 
 # The built-in model: every attention layer type (sliding, CSA, HCA), a hash-routed and a learned
@@ -92,10 +94,16 @@ def checkpoint_config(path: Path) -> PretrainedConfig:
     return config
 
 
-def load_checkpoint(path: Path, config: PretrainedConfig, device: torch.device) -> DeepseekV4ForCausalLM:
-    """The checkpoint as ``from_pretrained(path, dtype=torch.bfloat16)`` loads it, on ``device``."""
+def load_checkpoint(path: Path, config: PretrainedConfig, device: torch.device, tp_size: int = 1
+                    ) -> DeepseekV4ForCausalLM:
+    """The checkpoint as ``from_pretrained(path, dtype=torch.bfloat16)`` loads it, on ``device``;
+    with ``tp_size > 1`` (under torchrun) each rank reads only its shards of it
+    (:data:`dsv4_compile.parallel.ATTENTION_TP_PLAN` and the model's own plan)."""
+    kwargs = {}
+    if tp_size > 1:
+        kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size, tp_plan=ATTENTION_TP_PLAN)
     model = DeepseekV4ForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16, local_files_only=True,
-                                                  use_safetensors=True)
+                                                  use_safetensors=True, **kwargs)
     return model.to(device).eval().requires_grad_(False)
 
 

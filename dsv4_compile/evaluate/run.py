@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
 from ..compile import compile_step
@@ -43,20 +44,23 @@ class Timing:
     frames_after_warmup: int  # Dynamo's frame count when warm-up ended
 
 
-def make_runner(model: torch.nn.Module, *, batch: int, max_seq_len: int, compiled: bool
-                ) -> tuple[ModelRunner, str]:
-    """The backend on ``model`` with ``batch`` request rows of ``max_seq_len`` positions, and a
-    runner on its step (see :func:`runner_on`); returns it and how it runs."""
-    return runner_on(enable(model, max_requests=batch, max_seq_len=max_seq_len), compiled=compiled)
+def make_runner(model: torch.nn.Module, *, batch: int, max_seq_len: int, compiled: bool,
+                device_mesh: DeviceMesh | None = None) -> tuple[ModelRunner, str]:
+    """The backend on ``model`` with ``batch`` request rows of ``max_seq_len`` positions
+    (tensor-parallel over ``device_mesh`` when given), and a runner on its step (see
+    :func:`runner_on`); returns it and how it runs."""
+    backend = enable(model, max_requests=batch, max_seq_len=max_seq_len, device_mesh=device_mesh)
+    return runner_on(backend, compiled=compiled)
 
 
 def runner_on(backend: ModelBackend, *, compiled: bool) -> tuple[ModelRunner, str]:
     """A runner on ``backend``'s step, compiled as :data:`COMPILED` says or eager; returns it and
     how it runs."""
+    parallel = "" if backend.device_mesh is None else f"; tensor-parallel over {backend.device_mesh.size()} ranks"
     if not compiled:
-        return ModelRunner(backend), "eager (not compiled)"
+        return ModelRunner(backend), "eager (not compiled)" + parallel
     backend_name, how = COMPILED[backend.cache.device.type]
-    return ModelRunner(backend, step_fn=compile_step(backend, backend=backend_name)), how
+    return ModelRunner(backend, step_fn=compile_step(backend, backend=backend_name)), how + parallel
 
 
 class _CompileClock:

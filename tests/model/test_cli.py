@@ -3,10 +3,12 @@ corpus, a saved checkpoint, a JSONL corpus), its summary and JSON, and bad input
 error line with exit status 2 before any model is built."""
 
 import json
+import math
 import subprocess
 import sys
 
 import pytest
+import torch
 from transformers import LlamaConfig
 
 import dsv4_compile.__main__ as cli
@@ -70,6 +72,11 @@ BAD = {
     "task": (["--task", "translate"], "invalid choice: 'translate'"),
     "batch": (["--batch", "0"], "'0' is not a positive integer"),
 }
+# under torchrun (its environment, for make_plan only)
+BAD_UNDER_TORCHRUN = {
+    "device index": (["--device", "cuda:1"], "under torchrun each rank runs on cuda:LOCAL_RANK"),
+    "compare-eager": (["--compare-eager"], "--compare-eager: transformers eager needs the whole model"),
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))
@@ -79,6 +86,24 @@ def test_bad_input_ends_in_one_error_line(case, bad_inputs, tiny_hf_dir, capsys)
     out, err = capsys.readouterr()
     assert out == ""
     _one_error_line(err, message.format(dir=bad_inputs, tiny=tiny_hf_dir))
+
+
+@pytest.mark.parametrize("case", list(BAD_UNDER_TORCHRUN))
+def test_bad_input_under_torchrun(case, monkeypatch):
+    args, message = BAD_UNDER_TORCHRUN[case]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    for name, value in (("WORLD_SIZE", "2"), ("LOCAL_RANK", "1"), ("RANK", "1")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(cli.InputError, match=message):
+        cli.make_plan(cli.parse_args(args))
+
+
+def test_under_torchrun_each_rank_runs_on_its_own_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert cli.check_device("cuda", local_rank=1) == cli.check_device(None, local_rank=1) == torch.device("cuda", 1)
+    assert cli.check_device("cpu", local_rank=1) == torch.device("cpu")
 
 
 def test_bad_input_from_the_command_has_no_traceback(tmp_path):
@@ -139,3 +164,21 @@ def test_checkpoint_and_jsonl_tokens_generate(tmp_path, tiny_hf_dir, capsys):
     eager = results["eager"]
     assert eager["sequences"] == 2 and eager["new_tokens"] == 8 and eager["tokens"] == (3 + 4 - 1) + (30 + 4 - 1)
     assert eager["token_agreement"] >= 0.5 and eager["mean_abs_logprob_diff"] < 0.05
+
+
+def test_torchrun_runs_the_checkpoint_tensor_parallel(tmp_path, tiny_hf_dir):
+    """``torchrun --nproc-per-node 2 -m dsv4_compile`` on the CPU (gloo): each rank loads its shards
+    of the checkpoint, the first prints the summary, and the perplexity is the one process's up to
+    the ranks' reduction order (measured: 526.71 against 525.56, 0.002 nats a token)."""
+    data = _jsonl(tmp_path / "tokens.jsonl", {"tokens": [5, 6, 7]}, {"tokens": list(range(40, 70))})
+    args = ["--model", str(tiny_hf_dir), "--data", data, "--no-compile", "--json"]
+    assert cli.main([*args, str(tmp_path / "one.json")]) == 0
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "dsv4_compile", *args, str(tmp_path / "tp.json")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("tokens/s") == 1  # one summary
+    one, tp = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "tp"))
+    assert tp["step"] == "eager (not compiled); tensor-parallel over 2 ranks" and tp["eager"] is None
+    assert tp["scored_tokens"] == one["scored_tokens"] == 31
+    assert abs(math.log(tp["perplexity"] / one["perplexity"])) < 0.01

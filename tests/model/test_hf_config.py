@@ -111,6 +111,23 @@ def test_unsupported_settings_name_the_transformers_field(change, message):
     assert message in str(err.value)
 
 
+@pytest.mark.parametrize("overrides, tp_size, field", [({}, 3, "num_attention_heads=8"),
+                                                       ({"num_attention_heads": 6, "o_groups": 3}, 2, "o_groups=3")])
+def test_tensor_parallel_split_must_keep_whole_heads_and_groups(overrides, tp_size, field):
+    with pytest.raises(ValueError, match=f"DeepseekV4Config.{field} .*tensor-parallel size {tp_size}"):
+        DSV4AttnConfig.from_hf(tiny_hf_config(**overrides), tp_size=tp_size)
+    with pytest.raises(ValueError, match="tp_size must be a positive int"):
+        DSV4AttnConfig.from_hf(tiny_hf_config(), tp_size=0)
+
+
+def test_a_tensor_parallel_rank_holds_its_share_of_heads_and_groups():
+    """``tp_size=2``: the rank's q-side counts; the softmax and indexer scales stay the model's."""
+    whole, rank = (DSV4AttnConfig.from_hf(tiny_hf_config(), tp_size=n) for n in (1, 2))
+    assert (rank.num_heads, rank.o_groups) == (4, 1)
+    assert rank.softmax_scale == whole.softmax_scale and rank.index_weight_scale == whole.index_weight_scale
+    assert rank == whole.with_(num_heads=4, o_groups=1)
+
+
 def test_config_module_does_not_import_transformers():
     import subprocess
     import sys
