@@ -77,14 +77,20 @@ class DeployedModel:
                                num_full_pages=info.num_full_pages, num_swa_pages=info.num_swa_pages, device=device)
         _check_cache(path, self.cache, info)
         self.allocator = PageAllocator(self.cache)
+        self.device_mesh = None  # a package runs on one device
         self.runner = ModelRunner(self, max_step_tokens=info.limits.max_tokens)
 
     @property
     def vocab_size(self) -> int:
         return self.info.vocab_size
 
+    def new_logits(self, *shape: int) -> torch.Tensor:
+        """Zeros ``[*shape]`` in the dtype of the logits (bf16), on the cache's device."""
+        return torch.zeros(shape, dtype=torch.bfloat16, device=self.cache.device)
+
     def empty_output(self, input_ids: torch.Tensor, logit_rows: torch.Tensor) -> torch.Tensor:
-        return torch.empty(logit_rows.shape[0], self.vocab_size, dtype=torch.bfloat16, device=self.cache.device)
+        """The logits of a step with no rows (nothing is computed or written)."""
+        return self.new_logits(logit_rows.shape[0], self.vocab_size)
 
     def __call__(self, input_ids: torch.Tensor, step: StepInputs, logit_rows: torch.Tensor,
                  validate: bool = True) -> torch.Tensor:

@@ -44,6 +44,10 @@ from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucke
 # extend: any step (prefill, chunked prefill beside decodes, target verify): T and B independent;
 # decode: one token per request, T = B (the program knows the two are equal).
 PROGRAMS = ("extend", "decode")
+# Inductor rounds to bf16 wherever eager does (without it, fused fp32 intermediates move the logits
+# of the 3-layer test model by up to 7e-2 of their largest magnitude; with it, what is left is the
+# order of fused reductions: docs/deploy.md, "Numerics").
+EXACT_NUMERICS = {"emulate_precision_casts": True}
 STEP_INPUTS = ("input_ids", "req_rows", "seq_lens", "extend_lens", "out_cache_loc", "logit_rows")
 FORMAT_VERSION = "1"
 METADATA_KEY = "dsv4_compile"
@@ -125,23 +129,11 @@ def export_steps(backend: ModelBackend, programs: Sequence[str] = PROGRAMS, *, l
     for name in programs:
         args = example_inputs(backend, name)
         ops_mode = traced_references() if inline_ops else contextlib.nullcontext()
-        with torch.no_grad(), ops_mode, _cache_unchanged(backend):
+        with torch.no_grad(), ops_mode:  # non-strict export traces on fake tensors: nothing is written
             ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(name, limits, len(args) - 6),
                                      strict=False)
         exported[name] = ep.run_decompositions()
     return exported
-
-
-@contextlib.contextmanager
-def _cache_unchanged(backend: ModelBackend):
-    """Tracing runs the step on real tensors (non-strict export): keep the cache as it was."""
-    saved = [t.clone() for t in backend.cache.buffers()]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for t, s in zip(backend.cache.buffers(), saved):
-                t.copy_(s)
 
 
 def package_metadata(backend: ModelBackend, programs: Sequence[str], limits: ExportLimits,
@@ -171,10 +163,10 @@ def package(backend: ModelBackend, path: str | os.PathLike, programs: Sequence[s
             inductor_configs: dict | None = None) -> str:
     """Export ``programs`` of ``backend`` (:func:`export_steps`) and compile them with
     AOTInductor into the package ``path`` (``.pt2``), one named model per program plus the
-    :func:`package_metadata`. Returns the path."""
+    :func:`package_metadata`. ``inductor_configs`` update :data:`EXACT_NUMERICS`. Returns the path."""
     limits = limits or default_limits(backend)
     exported = export_steps(backend, programs, limits=limits, inline_ops=inline_ops)
-    configs = {**(inductor_configs or {}), "aot_inductor.package": True,
+    configs = {**EXACT_NUMERICS, **(inductor_configs or {}), "aot_inductor.package": True,
                "aot_inductor.metadata": package_metadata(backend, programs, limits, inline_ops)}
     files = {}
     for name, ep in exported.items():
