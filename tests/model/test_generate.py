@@ -92,8 +92,9 @@ def perturbed_draft(tiny_hf_dir, scale: float):
 def test_assisted_generation_gives_plain_greedy_tokens(backend, tiny_hf_dir):
     """``transformers`` refuses assisted generation for this model; on the backend the target
     verifies the draft tokens in one step and rolls the rejected ones back (a truncate). The model
-    as its own draft (every draft accepted) and a perturbed copy (measured: rollbacks of 4, 4, 4, 1
-    and 1 tokens over 24 new tokens) give plain greedy's tokens; no row stays held."""
+    as its own draft (every draft accepted) and a perturbed copy (rejections rolled back; how many
+    depends on the platform's bf16 GEMM rounding: rollbacks of 4, 4, 4, 1 and 1 tokens over 24 new
+    tokens measured on one CPU, 4 and 4 on another) give plain greedy's tokens; no row stays held."""
     model = backend.model
     assert load_tiny_hf(tiny_hf_dir)._is_stateful and not model._is_stateful
     draft = perturbed_draft(tiny_hf_dir, 0.1)
@@ -114,7 +115,7 @@ def test_assisted_generation_gives_plain_greedy_tokens(backend, tiny_hf_dir):
         assert torch.equal(greedy(model, prompt, None, 24, assistant_model=draft.model), plain)
     finally:
         del backend.allocator.truncate
-    assert len(rollbacks) >= 4 and max(rollbacks) == backend.config.max_draft_tokens
+    assert len(rollbacks) >= 2 and max(rollbacks) == backend.config.max_draft_tokens
     assert not backend.allocator.active_rows and not draft.allocator.active_rows
 
 
