@@ -11,6 +11,7 @@ weights: a package holding the cache could not stay under the size asserted belo
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -177,6 +178,19 @@ def test_package_holds_the_weights_not_the_cache(package_path, backend):
     assert size < backend.cache.nbytes()
     param_bytes = sum(p.numel() * p.element_size() for p in backend.model.parameters())
     assert size < len(PROGRAMS) * param_bytes + 16 * 2**20  # weights once per program plus code
+
+
+def test_cache_writes_happen_in_place(package_path, backend):
+    """No program allocates a buffer of a pool's shape or size (a copy to write into and copy back:
+    what a mutation Inductor fails to reinplace costs, the whole pool every step); the pools are
+    written through their input pointers. Read off the generated C++ the package carries."""
+    with zipfile.ZipFile(package_path) as archive:
+        wrappers = [archive.read(n).decode() for n in archive.namelist() if n.endswith(".wrapper.cpp")]
+    allocated = {shape for code in wrappers for shape in re.findall(r"int_array_\d+\[\] = (\{[^}]*\})", code)}
+    assert len(wrappers) == len(PROGRAMS) and allocated  # the pattern reads the sizes
+    for name, pool in backend.cache.named_buffers():
+        as_2d, as_1d = "{" + ", ".join(f"{d}L" for d in pool.shape) + "}", f"{{{pool.numel()}L, }}"
+        assert not {as_2d, as_1d} & allocated, name
 
 
 def test_metadata_and_capacity_checks(package_path, tmp_path):
