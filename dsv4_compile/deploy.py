@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 import os
+import zipfile
 from dataclasses import dataclass
 
 import torch
+from torch._inductor.package import load_package
 
 from .allocator import PageAllocator
 from .cache import DSV4Cache
@@ -140,7 +142,6 @@ def load(path: str | os.PathLike, *, max_requests: int | None = None, max_seq_le
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no package at {path}")
-    from torch._inductor.package import load_package
     first = load_package(path, _first_model(path))
     info = PackageInfo.from_metadata(path, first.get_metadata())
     for name, want, got in (("max_requests", max_requests, info.max_requests),
@@ -153,7 +154,6 @@ def load(path: str | os.PathLike, *, max_requests: int | None = None, max_seq_le
 
 def _first_model(path: str) -> str:
     """The name of one model the package holds (every model carries the same metadata)."""
-    import zipfile
     with zipfile.ZipFile(path) as archive:
         for name in archive.namelist():
             parts = name.split("/")
@@ -169,8 +169,13 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, chu
     token for every request together. ``model``: a :class:`DeployedModel` or a
     :class:`~dsv4_compile.model.ModelBackend` (its eager step), with free request rows for every
     prompt; the rows are released at the end. Returns ``max_new_tokens`` ids per prompt."""
+    if max_new_tokens < 1 or chunk < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} and chunk={chunk} must be >= 1")
     alloc, device = model.allocator, model.cache.device
-    ids = lambda values: torch.tensor(values, dtype=torch.int64, device=device)  # noqa: E731
+
+    def ids(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
     rows, tokens = [], []
     for prompt in prompts:
         rows.append(alloc.admit())
