@@ -22,7 +22,7 @@ from torch._inductor.package import load_package
 from .allocator import PageAllocator
 from .cache import DSV4Cache
 from .config import DSV4AttnConfig
-from .export import FORMAT_VERSION, METADATA_KEY, ExportLimits
+from .export import FORMAT_VERSION, METADATA_KEY, ExportLimits, cache_spec
 from .model import check_model_inputs
 from .runner import ModelRunner
 from .step import ForwardMode, StepInputs
@@ -128,8 +128,7 @@ def _rows_like(input_ids: torch.Tensor, config: DSV4AttnConfig) -> torch.Tensor:
 
 def _check_cache(path: str, cache: DSV4Cache, info: PackageInfo) -> None:
     """The cache this library builds from the package's config must be the one it was built with."""
-    ours = [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in cache.named_buffers()]
-    if ours != list(info.cache):
+    if cache_spec(cache) != list(info.cache):
         raise PackageError(f"{path}: its cache layout differs from the one this dsv4_compile builds for its "
                            "config (a package of another version): rebuild it with dsv4_compile.export.package")
 

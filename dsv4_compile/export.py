@@ -37,6 +37,7 @@ from torch import nn
 from torch._inductor.package import package_aoti
 from torch.export import Dim, ExportedProgram
 
+from .cache import DSV4Cache
 from .model import ModelBackend
 from .ops._library import traced_references
 from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
@@ -69,10 +70,9 @@ def default_limits(backend: ModelBackend) -> ExportLimits:
                         bucket(backend.cache.max_requests, REQUEST_BUCKETS))
 
 
-def cache_spec(backend: ModelBackend) -> list[tuple[str, tuple[int, ...], str]]:
-    """``(name, shape, dtype)`` of each cache buffer, in the order the programs take them."""
-    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for name, t in backend.cache.named_buffers()]
+def cache_spec(cache: DSV4Cache) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of each buffer of ``cache``, in the order the programs take them."""
+    return [(name, tuple(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in cache.named_buffers()]
 
 
 class StepProgram(nn.Module):
@@ -130,7 +130,7 @@ def export_steps(backend: ModelBackend, programs: Sequence[str] = PROGRAMS, *, l
         args = example_inputs(backend, name)
         ops_mode = traced_references() if inline_ops else contextlib.nullcontext()
         with torch.no_grad(), ops_mode:  # non-strict export traces on fake tensors: nothing is written
-            ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(name, limits, len(args) - 6),
+            ep = torch.export.export(module, args, dynamic_shapes=dynamic_shapes(name, limits, len(args) - len(STEP_INPUTS)),
                                      strict=False)
         exported[name] = ep.run_decompositions()
     return exported
@@ -146,7 +146,7 @@ def package_metadata(backend: ModelBackend, programs: Sequence[str], limits: Exp
     info = {"format": FORMAT_VERSION, "config": config, "max_requests": cache.max_requests,
             "max_seq_len": cache.max_seq_len, "num_full_pages": cache.num_full_pages,
             "num_swa_pages": cache.num_swa_pages, "vocab_size": backend.vocab_size,
-            "programs": list(programs), "inputs": list(STEP_INPUTS), "cache": cache_spec(backend),
+            "programs": list(programs), "inputs": list(STEP_INPUTS), "cache": cache_spec(cache),
             "limits": dataclasses.asdict(limits), "inline_ops": inline_ops}
     flat = {f"{METADATA_KEY}.{k}": str(v) for k, v in
             (("max_requests", cache.max_requests), ("max_seq_len", cache.max_seq_len),

@@ -58,15 +58,14 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
     annotations: an op with another op's signature states it once.
     """
     def register(reference: Callable) -> torch.library.CustomOpDef:
-        impl = cuda if device_types is not None and cuda is not None else reference
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", _checked(impl, check),
-                                     mutates_args=tuple(mutates_args), device_types=device_types,
-                                     schema=schema)
+        impl = _checked(cuda if device_types is not None and cuda is not None else reference, check)
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=tuple(mutates_args),
+                                     device_types=device_types, schema=schema)
         if cuda is not None and device_types is None and HAS_TRITON:
             op.register_kernel("cuda")(_checked(cuda, check))
         op.register_fake(_checked(fake, check))
-        if device_types is None:
-            _REFERENCES[name] = _checked(reference, check)
+        if device_types is None:  # impl is the checked reference
+            _REFERENCES[name] = impl
         return op
     return register
 
