@@ -10,13 +10,16 @@ sizes (``step.REQUEST_BUCKETS`` / ``step.TOKEN_BUCKETS``) bounds the number of r
 
 Frames (docs/compile.md, "Frames and the recompile limit"): every forward mode traces the same
 graph on a given stack, so the compiled step hands Dynamo one mode (:data:`GRAPH_MODE`); request
-and token counts are dynamic from the first call, so only Dynamo's 0/1 specialisations remain:
-at most :data:`MAX_FRAMES` frames per ``compile_step`` call, within torch's default
-``recompile_limit`` (8), which each call has to itself.
+and token counts are dynamic from the first call, and while Dynamo compiles one of its frames a
+compiled step turns off the 0/1 size specialisation and duck sizing (:data:`FRAME_SHAPE_CONFIG`),
+so that a first call with one request or one row does not fix that count: at most
+:data:`MAX_FRAMES` frames per ``compile_step`` call, within torch's default ``recompile_limit``
+(8), which each call has to itself.
 """
 
 from __future__ import annotations
 
+import threading
 import types
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -30,8 +33,14 @@ from .model import ModelBackend
 from .step import ForwardMode, StepInputs
 
 GRAPH_MODE = ForwardMode.EXTEND
-# request count in {0 (idle), 1, >= 2} x token rows in {1, >= 2}; a step with no rows is not compiled
-MAX_FRAMES = 6
+# idle or not x token rows in {1, >= 2} (a view of the attention output that one row makes
+# contiguous is guarded on); a step with no rows is not compiled
+MAX_FRAMES = 4
+# Symbolic-shape settings a compiled step's frames are traced with: a size of 1 is not specialised
+# (it is reasoned about as any size >= 2 would be) and two inputs of equal size get sizes of their
+# own, so one frame serves one request and many, one row and many. What still tells 1 apart is a
+# guard the model's own code adds (a reshape whose strides differ for one row): a second frame.
+FRAME_SHAPE_CONFIG = {"backed_size_oblivious": True, "use_duck_shape": False}
 _CUDA_GRAPHS, _POST_PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
 
 
@@ -117,8 +126,46 @@ class CompiledStep:
                              "compressed layers")
         if step.num_tokens == 0:
             return self.stack.empty_output(x, *extra)
-        return self.compiled(self.stack, _plain(x), _graph_step(step), tuple(_plain(t) for t in extra),
-                             self.device_checks)
+        _install_frame_callbacks()
+        _STEP_CALLS.depth += 1
+        try:
+            return self.compiled(self.stack, _plain(x), _graph_step(step), tuple(_plain(t) for t in extra),
+                                 self.device_checks)
+        finally:
+            _STEP_CALLS.depth -= 1
+
+
+class _StepCalls(threading.local):
+    """Compiled-step calls in progress on this thread (``depth``) and, while Dynamo compiles a frame
+    inside one, the :data:`FRAME_SHAPE_CONFIG` patch it entered. The patch is entered from Dynamo's
+    compile callbacks rather than around every call: a replay costs a counter update, not a config
+    change (~10 µs), and frames other code compiles keep the process's settings."""
+    depth = 0
+    patch = None
+
+
+_STEP_CALLS = _StepCalls()
+
+
+def _install_frame_callbacks() -> None:
+    """Register the two callbacks below with Dynamo, unless they are: ``torch._dynamo.reset()``
+    drops every compile callback, so a call checks, not the import."""
+    handler = torch._dynamo.callback.callback_handler
+    if _enter_frame_shape_config not in handler.start_callbacks:
+        handler.register_start_callback(_enter_frame_shape_config)
+        handler.register_end_callback(_exit_frame_shape_config)
+
+
+def _enter_frame_shape_config(args) -> None:
+    if _STEP_CALLS.depth and _STEP_CALLS.patch is None and args.callback_trigger.name == "DYNAMO":
+        _STEP_CALLS.patch = torch.fx.experimental._config.patch(**FRAME_SHAPE_CONFIG)
+        _STEP_CALLS.patch.__enter__()
+
+
+def _exit_frame_shape_config(args) -> None:
+    if _STEP_CALLS.patch is not None:
+        patch, _STEP_CALLS.patch = _STEP_CALLS.patch, None
+        patch.__exit__(None, None, None)
 
 
 def _graph_step(step: StepInputs) -> StepInputs:

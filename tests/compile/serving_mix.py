@@ -30,7 +30,8 @@ class ShapeLog:
         return self.forward(x, step)
 
     def classes(self) -> set[tuple[int, int]]:
-        """The 0 / 1 / many classes of the shapes seen: the frames a compiled step needs."""
+        """The 0 / 1 / many classes of the shapes seen: the frames Dynamo's 0/1 size specialisation
+        would make of them."""
         return {(min(b, 2), min(t, 2)) for b, t in self.shapes}
 
 

@@ -84,7 +84,8 @@ def test_every_mode_traces_the_same_graph():
 def test_serving_mix_stays_within_the_frame_bound_with_default_config():
     """The whole mix (every mode, batch 1 and bucketed sizes, idle, a draft stack beside the
     target) through compile_step with torch's default Dynamo config: no graph break, one frame
-    per request / token-count class touched, at most MAX_FRAMES per compiled stack."""
+    per class of MAX_FRAMES touched (idle or not x one token row or several), not one per request /
+    token-count class (six for the target, of which one request and one row are no frame of their own)."""
     assert torch._dynamo.config.recompile_limit == 8, "the test must run with torch's default limit"
     results = {}
     with fresh_compile_state():
@@ -98,5 +99,5 @@ def test_serving_mix_stays_within_the_frame_bound_with_default_config():
             assert_outputs_match(rec, rec.run(M.DECODE, {1: 1}))
         assert graph_breaks() == 0
     print(f"frames (compiled, classes touched): {results}")
-    assert results == {"target": (6, 6), "draft": (4, 4)}
+    assert results == {"target": (4, 6), "draft": (3, 4)}
     assert all(frames <= MAX_FRAMES for frames, _ in results.values())
