@@ -2,18 +2,21 @@
 
 Usage:
     python benchmarks/bench_deploy.py --out benchmarks/results/bench_deploy_<date>.json   # CPU
+    CXX=/usr/bin/g++ python benchmarks/bench_deploy.py --device cuda --out ...            # GPU
 
 The model: the built-in model of ``python -m dsv4_compile`` (``dsv4_compile/evaluate/default_model.json``,
-every attention layer type), on the CPU, with a cache of ``--max-requests`` requests of
-``--max-seq-len`` positions. Measured in one process:
+every attention layer type), on ``--device``, with a cache of ``--max-requests`` requests of
+``--max-seq-len`` positions. On a GPU, build with a ``CXX`` that links libstdc++ dynamically
+(docs/deploy.md, "Loading on a GPU"). Measured in one process:
 
     build      ``export.package`` of the ``extend`` and ``decode`` programs (export + AOTInductor), wall s
     load       ``deploy.load`` of the package (both programs), wall s
     steps      median wall time of a decode step of b requests (``--batches``) at ``--context``
                positions each, and of one prefill step of ``--prefill`` tokens, for three ways:
                ``eager`` (the backend's eager step), ``compiled`` (``compile_step`` as
-               ``python -m dsv4_compile`` compiles on a CPU: Dynamo's graph on the eager backend;
-               its first call, compilation included, is reported apart) and ``package``.
+               ``python -m dsv4_compile`` compiles on the device: on a CPU Dynamo's graph on the
+               eager backend, on a GPU Inductor with CUDA graphs; its first call, compilation
+               included, is reported apart) and ``package``. GPU times end with a synchronize.
 
 Every way runs the same steps on a cache of its own filled with the same prompts; their logits
 are compared (max |Δ| against eager: 0 expected for the package).
@@ -50,38 +53,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill", type=int, default=256, help="tokens of the prefill step")
     p.add_argument("--iters", type=int, default=10, help="timed steps per case")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu")
     p.add_argument("--out", help="write the results as JSON")
     return p.parse_args(argv)
 
 
 def fill(model, batch: int, context: int, seed: int) -> list[int]:
     """``batch`` requests of ``context`` random tokens prefilled into ``model``'s cache: their rows."""
-    gen = torch.Generator().manual_seed(seed)
+    gen, device = torch.Generator().manual_seed(seed), model.cache.device
     rows = [model.allocator.admit() for _ in range(batch)]
     for row in rows:
         for start in range(0, context, 256):
             n = min(256, context - start)
             step = _step(model, ForwardMode.EXTEND, [row], n)
-            model(torch.randint(0, model.vocab_size, (n,), generator=gen), step, torch.tensor([n - 1]))
+            model(torch.randint(0, model.vocab_size, (n,), generator=gen).to(device), step,
+                  torch.tensor([n - 1], device=device))
     return rows
 
 
 def _step(model, mode: ForwardMode, rows: list[int], per_row: int) -> StepInputs:
     loc = torch.cat([model.allocator.extend(row, per_row) for row in rows])
-    return StepInputs.make(mode, rows, [model.allocator.seq_len(r) for r in rows], [per_row] * len(rows), loc)
+    return StepInputs.make(mode, rows, [model.allocator.seq_len(r) for r in rows], [per_row] * len(rows), loc,
+                           device=model.cache.device)
 
 
 def time_steps(model, step_fn, mode: ForwardMode, rows: list[int], per_row: int, iters: int
                ) -> tuple[list[float], torch.Tensor]:
-    """Wall time (ms) of ``iters`` steps of ``per_row`` tokens for each of ``rows``, and the last logits."""
-    times, logits = [], None
+    """Wall time (ms) of ``iters`` steps of ``per_row`` tokens for each of ``rows`` (inputs built
+    before the clock starts), and a copy of the last logits (a CUDA-graph replay reuses its output)."""
+    times, logits, device = [], None, model.cache.device
     for _ in range(iters):
         step = _step(model, mode, rows, per_row)
-        ids = torch.zeros(step.num_tokens, dtype=torch.int64)
+        ids = torch.zeros(step.num_tokens, dtype=torch.int64, device=device)
+        logit_rows = torch.arange(max(2, len(rows)), device=device) % step.num_tokens
+        _synchronize(device)
         start = time.perf_counter()
-        logits = step_fn(ids, step, torch.arange(max(2, len(rows))) % step.num_tokens)
+        logits = step_fn(ids, step, logit_rows)
+        _synchronize(device)
         times.append(1e3 * (time.perf_counter() - start))
-    return times, logits
+    return times, logits.clone()
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def measure(model, step_fn, args) -> dict:
@@ -102,20 +117,24 @@ def measure(model, step_fn, args) -> dict:
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    backend = enable(builtin_model(torch.device("cpu"), args.seed), max_requests=args.max_requests,
+    device = torch.device(args.device)
+    backend = enable(builtin_model(device, args.seed), max_requests=args.max_requests,
                      max_seq_len=args.max_seq_len)
-    results = {**header("cpu", args), "ways": {}}
+    results = {**header(device.type, args), "ways": {}}
     with tempfile.TemporaryDirectory() as tmp, torch.no_grad():
         start = time.perf_counter()
         path = export.package(backend, Path(tmp) / "model.pt2")
         results["build_s"], results["package_mib"] = time.perf_counter() - start, Path(path).stat().st_size / 2**20
+        print(f"built in {results['build_s']:.0f} s", flush=True)
         start = time.perf_counter()
-        deployed = deploy.load(path)
+        deployed = deploy.load(path, device=device)
         results["load_s"] = time.perf_counter() - start
-        compiled = compile_step(backend, backend=COMPILED["cpu"][0])
-        ways = {"eager": (backend, backend), "compiled": (backend, compiled), "package": (deployed, deployed)}
+        compiled = compile_step(backend, backend=COMPILED[device.type][0])
+        # the package before the compiled way, whose first call compiles for minutes on a GPU
+        ways = {"eager": (backend, backend), "package": (deployed, deployed), "compiled": (backend, compiled)}
         for name, (model, step_fn) in ways.items():
             results["ways"][name] = measure(model, step_fn, args)
+            print(name, {case: round(r["median_ms"], 2) for case, r in results["ways"][name].items()}, flush=True)
     _report(results)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1, default=_plain))
