@@ -50,6 +50,10 @@ PROGRAMS = ("extend", "decode")
 # order of fused reductions: docs/deploy.md, "Numerics").
 EXACT_NUMERICS = {"emulate_precision_casts": True}
 STEP_INPUTS = ("input_ids", "req_rows", "seq_lens", "extend_lens", "out_cache_loc", "logit_rows")
+# A package calls the ATen ops Inductor does not generate code for through AOTInductor's C shim.
+# torch 2.11's CUDA shim has no ``_grouped_mm`` (2.13's has), so a GPU package of the grouped
+# experts fails to compile there; it is exported with this implementation instead.
+SHIMLESS_EXPERTS_FALLBACK = "batched_mm"
 FORMAT_VERSION = "1"
 METADATA_KEY = "dsv4_compile"
 
@@ -165,7 +169,8 @@ def package(backend: ModelBackend, path: str | os.PathLike, programs: Sequence[s
     AOTInductor into the package ``path`` (``.pt2``), one named model per program plus the
     :func:`package_metadata`. ``inductor_configs`` update :data:`EXACT_NUMERICS`. Returns the path."""
     limits = limits or default_limits(backend)
-    exported = export_steps(backend, programs, limits=limits, inline_ops=inline_ops)
+    with _packageable_experts(backend.model, backend.cache.device):
+        exported = export_steps(backend, programs, limits=limits, inline_ops=inline_ops)
     configs = {**EXACT_NUMERICS, **(inductor_configs or {}), "aot_inductor.package": True,
                "aot_inductor.metadata": package_metadata(backend, programs, limits, inline_ops)}
     files = {}
@@ -173,3 +178,28 @@ def package(backend: ModelBackend, path: str | os.PathLike, programs: Sequence[s
         args, kwargs = ep.example_inputs
         files[name] = torch._inductor.aot_compile(ep.module(check_guards=False), args, kwargs, options=configs)
     return package_aoti(os.fspath(path), files)
+
+
+def has_c_shim(op: str, device: torch.device) -> bool:
+    """Whether this torch's AOTInductor C shim for ``device`` declares ``op`` (an ATen op name such as
+    ``"_grouped_mm"``), read from the header a package's generated code is compiled against."""
+    header = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc", "inductor", "aoti_torch",
+                          "generated", f"c_shim_{device.type}.h")
+    with open(header) as f:
+        return f"aoti_torch_{device.type}_{op}(" in f.read()
+
+
+@contextlib.contextmanager
+def _packageable_experts(model: nn.Module, device: torch.device):
+    """While entered, ``model``'s MoE experts run an implementation this torch can package on
+    ``device``: :data:`SHIMLESS_EXPERTS_FALLBACK` in place of ``grouped_mm`` where the C shim lacks
+    it; the model's own implementation is set back on exit."""
+    own = model.config._experts_implementation
+    if own != "grouped_mm" or device.type != "cuda" or has_c_shim("_grouped_mm", device):
+        yield
+        return
+    model.set_experts_implementation(SHIMLESS_EXPERTS_FALLBACK)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(own)

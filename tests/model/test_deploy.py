@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch._inductor.package import load_package
 
-from dsv4_compile import deploy
+from dsv4_compile import deploy, export
 from dsv4_compile.export import METADATA_KEY, PROGRAMS
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -224,6 +224,44 @@ def test_steps_beyond_the_package_limits_are_refused(package_path):
     with pytest.raises(ValueError, match=rf"step.out_cache_loc has {too_many} rows; the package .* at most {limits.max_tokens}"):
         model(torch.zeros(too_many, dtype=torch.int64), step, torch.tensor([0, 1]))
     assert all(torch.equal(a, b) for a, b in zip(before, model.cache.buffers()))
+
+
+def test_c_shim_lookup_reads_the_header():
+    """``has_c_shim`` answers from the shim header packages compile against: ops every shim has,
+    and a name none has."""
+    for device in (torch.device("cpu"), torch.device("cuda")):
+        assert export.has_c_shim("addmm_out", device)
+        assert not export.has_c_shim("no_such_op", device)
+
+
+def test_gpu_export_swaps_grouped_experts_where_the_shim_lacks_them(backend, monkeypatch):
+    """Where the CUDA shim has no ``_grouped_mm`` (torch 2.11), a GPU package is exported with
+    ``batched_mm`` experts, which compute the same MoE (the same logits here); the model gets its own back afterwards. A
+    CPU export, or a shim that has the op, leaves the model as it is."""
+    model, own = backend.model, backend.model.config._experts_implementation
+    assert own == "grouped_mm"
+    row = backend.allocator.admit()
+    step = StepInputs.make(ForwardMode.EXTEND, [row], [20], [20], backend.allocator.extend(row, 20))
+    ids, rows = torch.arange(20) % backend.vocab_size, torch.tensor([3, 19])
+
+    def logits():  # the same step on a clean copy of the cache each time
+        saved = [t.clone() for t in backend.cache.buffers()]
+        out = backend(ids, step, rows)
+        for t, s in zip(backend.cache.buffers(), saved):
+            t.copy_(s)
+        return out
+
+    want = logits()
+    with export._packageable_experts(model, torch.device("cpu")):
+        assert model.config._experts_implementation == own
+    monkeypatch.setattr(export, "has_c_shim", lambda op, device: op != "_grouped_mm")
+    with export._packageable_experts(model, torch.device("cuda")):
+        assert model.config._experts_implementation == export.SHIMLESS_EXPERTS_FALLBACK
+        assert torch.equal(logits(), want)  # on the CPU the two compute bit for bit the same
+    assert model.config._experts_implementation == own
+    monkeypatch.setattr(export, "has_c_shim", lambda op, device: True)
+    with export._packageable_experts(model, torch.device("cuda")):
+        assert model.config._experts_implementation == own
 
 
 @pytest.fixture(scope="module")
