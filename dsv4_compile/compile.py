@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch._dynamo
 
 from .device_checks import ENABLED_BY_ENV
 from .fx_passes import DSV4PassManager
@@ -33,6 +34,11 @@ GRAPH_MODE = ForwardMode.EXTEND
 # request count in {0 (idle), 1, >= 2} x token rows in {1, >= 2}; a step with no rows is not compiled
 MAX_FRAMES = 6
 _CUDA_GRAPHS, _POST_PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
+# A step's floats (norm eps, scales) are model constants. Traced as literals, not as the 0-dim CPU
+# float64 graph inputs dynamic=True makes of them, they are what the FX passes match (the Sinkhorn
+# eps) and add no CPU inputs to the graph. Dynamo reads the setting while it traces, inside a
+# call, so every call sets it, with the low-overhead patcher Dynamo itself uses for ``dynamic=``.
+_SPECIALIZE_FLOATS = torch._dynamo.config._make_closure_patcher(specialize_float=True)
 
 
 def compile_options(mode: str | None = None, options: Mapping[str, Any] | None = None,
@@ -102,7 +108,8 @@ class CompiledStep:
     Before entering the compiled graph, on the host and from Python values only: refuses a step
     under autograd and ``DRAFT_EXTEND`` on a stack with compressed layers (what eager validation
     would say), returns a step with no rows at once (it computes and writes nothing), and hands
-    Dynamo the step in one canonical form (:func:`_graph_step`). Outputs of a CUDA-graph replay
+    Dynamo the step in one canonical form (:func:`_graph_step`), with the floats it meets
+    specialised (traced as constants). Outputs of a CUDA-graph replay
     are overwritten by the next replay: clone what you keep.
     """
 
@@ -117,8 +124,12 @@ class CompiledStep:
                              "compressed layers")
         if step.num_tokens == 0:
             return self.stack.empty_output(x, *extra)
-        return self.compiled(self.stack, _plain(x), _graph_step(step), tuple(_plain(t) for t in extra),
-                             self.device_checks)
+        revert = _SPECIALIZE_FLOATS()
+        try:
+            return self.compiled(self.stack, _plain(x), _graph_step(step), tuple(_plain(t) for t in extra),
+                                 self.device_checks)
+        finally:
+            revert()
 
 
 def _graph_step(step: StepInputs) -> StepInputs:
