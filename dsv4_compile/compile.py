@@ -11,7 +11,8 @@ sizes (``step.REQUEST_BUCKETS`` / ``step.TOKEN_BUCKETS``) bounds the number of r
 Frames (docs/compile.md, "Frames and the recompile limit"): every forward mode traces the same
 graph on a given stack, so the compiled step hands Dynamo one mode (:data:`GRAPH_MODE`); request
 and token counts are dynamic from the first call, and while Dynamo compiles one of its frames a
-compiled step turns off the 0/1 size specialisation and duck sizing (:data:`FRAME_SHAPE_CONFIG`),
+compiled step turns off the 0/1 size specialisation and duck sizing (:data:`FRAME_SHAPE_CONFIG`;
+floats are traced as constants, :data:`FRAME_DYNAMO_CONFIG`),
 so that a first call with one request or one row does not fix that count: at most
 :data:`MAX_FRAMES` frames per ``compile_step`` call, within torch's default ``recompile_limit``
 (8), which each call has to itself.
@@ -41,6 +42,10 @@ MAX_FRAMES = 4
 # own, so one frame serves one request and many, one row and many. What still tells 1 apart is a
 # guard the model's own code adds (a reshape whose strides differ for one row): a second frame.
 FRAME_SHAPE_CONFIG = {"backed_size_oblivious": True, "use_duck_shape": False}
+# Dynamo settings of the same frames: the step's floats (norm eps, scales: model constants) are
+# traced as literals, not as the 0-dim CPU float64 graph inputs ``dynamic=True`` makes of them
+# on torch 2.13, so that the FX passes can match them (the Sinkhorn eps).
+FRAME_DYNAMO_CONFIG = {"specialize_float": True}
 _CUDA_GRAPHS, _POST_PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
 
 
@@ -137,11 +142,11 @@ class CompiledStep:
 
 class _StepCalls(threading.local):
     """Compiled-step calls in progress on this thread (``depth``) and, while Dynamo compiles a frame
-    inside one, the :data:`FRAME_SHAPE_CONFIG` patch it entered. The patch is entered from Dynamo's
+    inside one, the :data:`FRAME_SHAPE_CONFIG` / :data:`FRAME_DYNAMO_CONFIG` patches it entered. The patch is entered from Dynamo's
     compile callbacks rather than around every call: a replay costs a counter update, not a config
     change (~10 µs), and frames other code compiles keep the process's settings."""
     depth = 0
-    patch = None
+    patches: list | None = None
 
 
 _STEP_CALLS = _StepCalls()
@@ -151,21 +156,24 @@ def _install_frame_callbacks() -> None:
     """Register the two callbacks below with Dynamo, unless they are: ``torch._dynamo.reset()``
     drops every compile callback, so a call checks, not the import."""
     handler = torch._dynamo.callback.callback_handler
-    if _enter_frame_shape_config not in handler.start_callbacks:
-        handler.register_start_callback(_enter_frame_shape_config)
-        handler.register_end_callback(_exit_frame_shape_config)
+    if _enter_frame_config not in handler.start_callbacks:
+        handler.register_start_callback(_enter_frame_config)
+        handler.register_end_callback(_exit_frame_config)
 
 
-def _enter_frame_shape_config(args) -> None:
-    if _STEP_CALLS.depth and _STEP_CALLS.patch is None and args.callback_trigger.name == "DYNAMO":
-        _STEP_CALLS.patch = torch.fx.experimental._config.patch(**FRAME_SHAPE_CONFIG)
-        _STEP_CALLS.patch.__enter__()
+def _enter_frame_config(args) -> None:
+    if _STEP_CALLS.depth and _STEP_CALLS.patches is None and args.callback_trigger.name == "DYNAMO":
+        _STEP_CALLS.patches = [torch.fx.experimental._config.patch(**FRAME_SHAPE_CONFIG),
+                               torch._dynamo.config.patch(**FRAME_DYNAMO_CONFIG)]
+        for patch in _STEP_CALLS.patches:
+            patch.__enter__()
 
 
-def _exit_frame_shape_config(args) -> None:
-    if _STEP_CALLS.patch is not None:
-        patch, _STEP_CALLS.patch = _STEP_CALLS.patch, None
-        patch.__exit__(None, None, None)
+def _exit_frame_config(args) -> None:
+    if _STEP_CALLS.patches is not None:
+        patches, _STEP_CALLS.patches = _STEP_CALLS.patches, None
+        for patch in reversed(patches):
+            patch.__exit__(None, None, None)
 
 
 def _graph_step(step: StepInputs) -> StepInputs:

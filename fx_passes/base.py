@@ -19,6 +19,14 @@ def hash_source(*objects) -> str:
     return h.hexdigest()
 
 
+def fake_result(op: torch._ops.OpOverload, args: tuple):
+    """What ``op`` returns on ``args`` as fake tensors: its fake impl run on the ``meta["val"]`` of
+    the node arguments (the ``meta["val"]`` of a node a pass inserts)."""
+    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
+    with torch._guards.detect_fake_mode(vals):
+        return op(*vals)
+
+
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
     """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
     with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in
@@ -49,4 +57,5 @@ class DSV4InductorPass(CustomGraphPass):
         self.last_ops = dsv4_ops(graph)  # later Inductor passes keep mutating `graph`
 
     def uuid(self) -> str:
-        return hash_source(type(self), inspect.getmodule(type(self)))
+        # this module too: passes build nodes with its helpers
+        return hash_source(type(self), inspect.getmodule(type(self)), inspect.getmodule(DSV4InductorPass))

@@ -20,7 +20,8 @@ import torch
 from .. import metadata_chain
 from .. import ops  # noqa: F401  (registers the dsv4:: ops matched here)
 from ..metadata_chain import CHAIN_OPS, fused_positions, output_index
-from .base import DSV4InductorPass, hash_source
+from . import base
+from .base import DSV4InductorPass, fake_result, hash_source
 
 _dsv4 = torch.ops.dsv4
 # For each op of the chain: where each of its outputs stands among step_metadata's outputs.
@@ -48,7 +49,7 @@ class FuseStepMetadataPass(DSV4InductorPass):
 
     def uuid(self) -> str:
         # the output mapping comes from the field table: a changed table rewrites differently
-        return hash_source(type(self), inspect.getmodule(type(self)), metadata_chain)
+        return hash_source(type(self), inspect.getmodule(type(self)), base, metadata_chain)
 
     @staticmethod
     def _chain(expand: torch.fx.Node):
@@ -86,7 +87,7 @@ class FuseStepMetadataPass(DSV4InductorPass):
         args = (*expand.args, req_to_token, page.args[0], full_to_swa, topk)
         with graph.inserting_before(expand):
             fused = graph.call_function(_dsv4.step_metadata.default, args)
-            fused.meta["val"] = _fake_outputs(args)
+            fused.meta["val"] = fake_result(_dsv4.step_metadata.default, args)
             outputs = {}  # old output node -> getitem of the fused op
             for node in (expand, *chain.values()):
                 positions = _FUSED_POSITIONS[node.target]
@@ -113,13 +114,6 @@ def _same_int(a, b) -> bool:
     """Whether ``a`` and ``b`` are surely the same integer: equal ints, or the same symbol. Never
     evaluates a symbolic comparison (that would add a guard): anything else is not a match."""
     return a is b or (type(a) is int and type(b) is int and a == b)
-
-
-def _fake_outputs(args) -> tuple:
-    """The fused op's outputs as fake tensors (its fake impl run on the inputs' fake values)."""
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    with torch._guards.detect_fake_mode(vals):
-        return _dsv4.step_metadata.default(*vals)
 
 
 def _getitem(graph: torch.fx.Graph, fused: torch.fx.Node, index: int) -> torch.fx.Node:

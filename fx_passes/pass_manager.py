@@ -11,6 +11,7 @@ import hashlib
 import torch
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_sinkhorn import FuseSinkhornPass
 from .fuse_step_metadata import FuseStepMetadataPass
 
 
@@ -18,7 +19,7 @@ class DSV4PassManager(DSV4InductorPass):
     def __init__(self, passes: list[DSV4InductorPass] | None = None) -> None:
         super().__init__()
         self.passes: list[DSV4InductorPass] = []
-        for p in passes if passes is not None else [FuseStepMetadataPass()]:
+        for p in passes if passes is not None else [FuseStepMetadataPass(), FuseSinkhornPass()]:
             self.add(p)
 
     def add(self, p: DSV4InductorPass) -> None:

@@ -8,6 +8,7 @@ Launchers take torch tensors and also run on CPU tensors under ``TRITON_INTERPRE
 * ``compressor``: ``compress_kv`` (window pooling, then the entry and the state-ring write).
 * ``indexer``, ``topk_select``: ``indexer_prepare_q``; ``indexer_topk`` as logits scan + select.
 * ``metadata``: the per-step metadata ops.
+* ``hyper_connection``: ``sinkhorn`` (the mHC comb weights' Sinkhorn-Knopp normalisation).
 * sparse attention: ``sparse_attn_dispatch`` (tiling, path choice, launch) over the kernel
   families ``sparse_attn_fused``, ``sparse_attn_two_pass``, ``sparse_attn_warp_specialized``
   (Gluon, sm_90) and ``sparse_attn_combine`` (split combine; the partial buffers' layout), with
