@@ -55,8 +55,11 @@ def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         return out
     n = x.shape[-1]
     np2 = triton.next_power_of_2(n)
-    block_m = max(1, _TILE // (np2 * np2))
     m = x.numel() // (n * n)
+    # few matrices (a decode step): a tile of just those, one warp, so that each of the 2 iters - 1
+    # dependent normalisations reduces over as few lanes as possible
+    block_m = max(1, min(_TILE // (np2 * np2), triton.next_power_of_2(m)))
+    num_warps = 4 if block_m * np2 * np2 >= 512 else 1
     _sinkhorn_kernel[(triton.cdiv(m, block_m),)](x, out, m, iters, eps, N=n, NP=np2, BLOCK_M=block_m,
-                                                 num_warps=4)
+                                                 num_warps=num_warps)
     return out

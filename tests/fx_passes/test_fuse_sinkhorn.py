@@ -12,7 +12,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
-from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass
+from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
@@ -122,13 +122,13 @@ def test_other_chains_left_alone(fn, shape, dtype):
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
 @torch.no_grad()
 def test_model_step_fuses_two_loops_per_layer():
-    """compile_step of a 2-layer model (Inductor, every dsv4 pass): each decoder layer's two
+    """compile_step of a 2-layer model (Inductor, the metadata and Sinkhorn passes): each decoder layer's two
     hyper-connections run dsv4::sinkhorn, and with Inductor rounding where eager rounds
     (``EXACT_NUMERICS``) the logits are the eager backend's, bit for bit."""
     layers = 2
     backend = enable(tiny_hf_model(config=tiny_hf_config(num_hidden_layers=layers)), max_requests=1, max_seq_len=256)
-    passes = DSV4PassManager()
-    (fuse,) = (p for p in passes.passes if isinstance(p, FuseSinkhornPass))
+    fuse = FuseSinkhornPass()
+    passes = DSV4PassManager([FuseStepMetadataPass(), fuse])
     ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))

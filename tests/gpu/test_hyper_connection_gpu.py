@@ -1,0 +1,52 @@
+"""``dsv4::sinkhorn`` on the GPU (the Triton kernel registered in ``ops/hyper_connection.py``)
+against its reference on the same device, and a hyper-connection of the Flash width compiled by
+Inductor with the dsv4 passes: the loop becomes the op, the results stay those of eager."""
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+
+from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass
+from dsv4_compile.reference import hyper_connection as ref
+from tests.support.compile_checks import fresh_compile_state
+from tests.support.hf_model import tiny_hf_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("n", [4, 3, 8])
+@pytest.mark.parametrize("m", [1, 64, 64 * 3 + 5, 4096])
+def test_kernel_equals_the_reference(m, n):
+    g = torch.Generator(device="cuda").manual_seed(m * 10 + n)
+    x = torch.softmax(torch.randn(m, n, n, device="cuda", generator=g) * 3, dim=-1) + 1e-6
+    got = torch.ops.dsv4.sinkhorn(x, 20, 1e-6)
+    torch.testing.assert_close(got, ref.sinkhorn(x, 20, 1e-6), atol=1e-6, rtol=0)
+
+
+def test_strided_input_and_no_rows():
+    x = torch.rand(8, 4, 4, device="cuda").transpose(-1, -2)
+    torch.testing.assert_close(torch.ops.dsv4.sinkhorn(x, 5, 1e-6), ref.sinkhorn(x, 5, 1e-6), atol=1e-6, rtol=0)
+    assert torch.ops.dsv4.sinkhorn(torch.empty(0, 4, 4, device="cuda"), 5, 1e-6).shape == (0, 4, 4)
+
+
+@torch.no_grad()
+def test_compiled_hyper_connection_runs_the_op():
+    """Fused against the same module compiled without the pass: comb within a few fp32 ulps (only
+    the Sinkhorn differs), post and the collapsed streams within one rounding step at their scale;
+    both compiles within 1e-3 of eager (Inductor's own fp32 reduction order)."""
+    hc = DeepseekV4HyperConnection(tiny_hf_config(num_hidden_layers=1, hidden_size=4096)).cuda()
+    for p in (hc.fn, hc.base, hc.scale):
+        p.normal_(std=0.5)
+    streams = torch.randn(1, 8, hc.hc_mult, 4096, device="cuda").bfloat16()
+    fuse = FuseSinkhornPass()
+    with fresh_compile_state():
+        outs = {name: torch.compile(hc, fullgraph=True, options={"post_grad_custom_post_pass": DSV4PassManager(passes)})(streams)
+                for name, passes in (("fused", [fuse]), ("unfused", []))}
+    assert fuse.matched_count == 1 and fuse.last_ops == ["dsv4.sinkhorn.default"]
+    (post, comb, collapsed), (want_post, want_comb, want_collapsed) = outs["fused"], outs["unfused"]
+    torch.testing.assert_close(comb, want_comb, atol=1e-6, rtol=0)
+    torch.testing.assert_close(post, want_post, atol=1e-6, rtol=0)
+    scale = want_collapsed.float().abs().max().item()
+    torch.testing.assert_close(collapsed.float(), want_collapsed.float(), atol=2 ** -8 * scale, rtol=0)
+    for got, want in zip(outs["fused"], hc(streams)):
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-3 * max(1.0, want.float().abs().max().item()), rtol=0)
