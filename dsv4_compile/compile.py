@@ -54,7 +54,7 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
     """The Inductor options :func:`compile_step` compiles with: ``mode``'s options
     (``torch._inductor.list_mode_options``), updated by ``options``, then what the step needs
     where they leave it open: CUDA graphs on unless ``cuda_graphs``, ``options`` or a
-    ``*-no-cudagraphs`` mode say otherwise (a contradiction raises), and ``passes`` (default: every dsv4 pass) as the post-grad
+    ``*-no-cudagraphs`` mode say otherwise (a contradiction raises), and ``passes`` (default: ``DSV4PassManager()``, the default pass list) as the post-grad
     custom pass, a slot ``options`` may not take (torch 2.11 accepts a single pass there)."""
     try:
         merged = dict(torch._inductor.list_mode_options(mode)) if mode else {}
