@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._dynamo.source import LocalSource
 
 from .device_checks import ENABLED_BY_ENV
 from .fx_passes import DSV4PassManager
@@ -80,7 +81,7 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
 def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None = None, options: Mapping[str, Any] | None = None,
                  backend: str | Callable | None = "inductor", dynamic: bool | None = True, fullgraph: bool = True,
                  cuda_graphs: bool | None = None, passes: DSV4PassManager | None = None,
-                 device_checks: bool | None = None, **kwargs) -> "CompiledStep":
+                 device_checks: bool | None = None, model_guards: bool = True, **kwargs) -> "CompiledStep":
     """``step_fn(x, step)``: ``stack``'s step compiled as one graph. ``stack`` is an attention stack
     or a model on the backend (:class:`~dsv4_compile.model.ModelBackend`, whose step is
     ``step_fn(input_ids, step, logit_rows)``).
@@ -94,7 +95,14 @@ def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None =
     be left unset. ``device_checks``: see :mod:`dsv4_compile.device_checks` (``None``: the
     ``DSV4_DEVICE_CHECKS`` environment switch); on a CPU stack they compile Inductor's kernels
     single-threaded (``cpp.threads=1``): a failed check throws inside a kernel, and from an
-    OpenMP parallel region that terminates the process instead of raising."""
+    OpenMP parallel region that terminates the process instead of raising.
+
+    ``model_guards=False`` drops Dynamo's guards on ``stack`` (its modules, their attributes,
+    parameters and buffers: ~85 % of a model step's guards, most of the host time a call spends
+    before its graph runs; docs/compile.md, "Guards on the model"), keeping those on the step's
+    inputs and on globals, so new shapes still compile new frames. The caller promises that
+    ``stack`` stays as it was compiled: weights may be updated in place (``copy_``), but a module,
+    attribute or parameter replaced by one of another type, shape, dtype or device goes unnoticed."""
     checks = ENABLED_BY_ENV if device_checks is None else device_checks
     backend = backend or "inductor"  # torch.compile's default
     if backend == "inductor":
@@ -105,6 +113,8 @@ def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None =
         raise ValueError(f"cuda_graphs and passes are Inductor settings; backend={backend!r} takes neither")
     else:
         settings = {"mode": mode, "options": dict(options) if options else None}
+    if not model_guards:
+        settings["options"] = {**(settings["options"] or {}), "guard_filter_fn": _unguarded_stack}
     compiled = torch.compile(_own_code(_run_step), backend=backend, dynamic=dynamic, fullgraph=fullgraph,
                              **settings, **kwargs)
     return CompiledStep(stack, compiled, checks)
@@ -174,6 +184,19 @@ def _exit_frame_config(args) -> None:
         patches, _STEP_CALLS.patches = _STEP_CALLS.patches, None
         for patch in reversed(patches):
             patch.__exit__(None, None, None)
+
+
+def _unguarded_stack(entries) -> list[bool]:
+    """``guard_filter_fn`` of ``model_guards=False``: keep every guard but those whose source
+    starts at the compiled function's ``stack`` argument."""
+    return [_root_local(entry.orig_guard.originating_source) != "stack" for entry in entries]
+
+
+def _root_local(source) -> str | None:
+    """The name of the local variable ``source`` (a Dynamo guard source) is reached from, if any."""
+    while source is not None and not isinstance(source, LocalSource):
+        source = getattr(source, "base", None)
+    return None if source is None else source.local_name
 
 
 def _graph_step(step: StepInputs) -> StepInputs:
