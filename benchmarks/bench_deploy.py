@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
         results["build_s"], results["package_mib"] = time.perf_counter() - start, Path(path).stat().st_size / 2**20
         print(f"built in {results['build_s']:.0f} s", flush=True)
         start = time.perf_counter()
-        deployed = deploy.load(path, device=device)
+        deployed = deploy.load(path)
         results["load_s"] = time.perf_counter() - start
         compiled = compile_step(backend, backend=COMPILED[device.type][0])
         # the package before the compiled way, whose first call compiles for minutes on a GPU

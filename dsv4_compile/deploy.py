@@ -33,6 +33,10 @@ class PackageError(ValueError):
     """A package that is not a dsv4_compile package, or that does not fit what its user asked for."""
 
 
+# What AOTInductor records in a package's metadata: the device type its code was compiled for.
+AOTI_DEVICE_KEY = "AOTI_DEVICE_KEY"
+
+
 @dataclass(frozen=True)
 class PackageInfo:
     """What a package states about itself (``export.package_metadata``)."""
@@ -134,21 +138,26 @@ def _check_cache(path: str, cache: DSV4Cache, info: PackageInfo) -> None:
 
 
 def load(path: str | os.PathLike, *, max_requests: int | None = None, max_seq_len: int | None = None,
-         config: DSV4AttnConfig | None = None, device: str | torch.device = "cpu") -> DeployedModel:
-    """Load the package ``path`` on ``device`` (the device it was compiled for). ``max_requests``,
+         config: DSV4AttnConfig | None = None, device: str | torch.device | None = None) -> DeployedModel:
+    """Load the package ``path``, its cache on ``device`` (default: the device type the package was
+    compiled for, its first device; another type is a :class:`PackageError`). ``max_requests``,
     ``max_seq_len`` and ``config``, when given, must equal what the package was built for:
     :class:`PackageError` otherwise (a package cannot serve another capacity or model)."""
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"path: no package at {path}")
     first = load_package(path, _first_model(path))
-    info = PackageInfo.from_metadata(path, first.get_metadata())
+    metadata = first.get_metadata()
+    info = PackageInfo.from_metadata(path, metadata)
+    built_for = metadata.get(AOTI_DEVICE_KEY, "cpu")
+    device = torch.device(built_for if device is None else device)
     for name, want, got in (("max_requests", max_requests, info.max_requests),
-                            ("max_seq_len", max_seq_len, info.max_seq_len), ("config", config, info.config)):
+                            ("max_seq_len", max_seq_len, info.max_seq_len), ("config", config, info.config),
+                            ("device", device.type, built_for)):
         if want is not None and want != got:
             raise PackageError(f"{name}={want!r}: the package {path} was built for {name}={got!r}")
     programs = {name: load_package(path, name) for name in info.programs}
-    return DeployedModel(path, programs, info, torch.device(device))
+    return DeployedModel(path, programs, info, device)
 
 
 def _first_model(path: str) -> str:

@@ -204,6 +204,9 @@ def test_metadata_and_capacity_checks(package_path, tmp_path):
         deploy.load(package_path, max_seq_len=512)
     with pytest.raises(deploy.PackageError, match="config="):
         deploy.load(package_path, config=model.config.with_(index_topk=128))
+    assert model.cache.device.type == "cpu"  # the device the package was compiled for
+    with pytest.raises(deploy.PackageError, match="device='cuda': the package .* was built for device='cpu'"):
+        deploy.load(package_path, device="cuda")
     with pytest.raises(FileNotFoundError, match="path: no package"):
         deploy.load(tmp_path / "missing.pt2")
     not_a_package = tmp_path / "other.pt2"
