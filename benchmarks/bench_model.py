@@ -23,6 +23,9 @@ Ways (the same model and weights):
                    (``model(ids, past_key_values=cache, use_cache=True)``), as a generate loop runs it
     backend_eager  the model on the backend, eager: ``backend(input_ids, step, logit_rows)``
     compiled       ``compile_step(backend, mode="reduce-overhead")``: one graph, CUDA graphs
+    compiled_lean  the same with the opt-in host and kernel savings: ``model_guards=False`` (no
+                   Dynamo guards on the model) and ``FuseSinkhornPass`` beside the default passes;
+                   not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -60,12 +63,14 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
+from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps
 from dsv4_compile.testing.random_model import random_hf_model
 
-WAYS = ("hf_eager", "backend_eager", "compiled")
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_lean")
+DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
 FLASH_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
@@ -96,7 +101,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prefill-iters", type=int, help="timed prefill calls (default 3)")
     p.add_argument("--fill-tokens", type=int, default=32768, help="most tokens per step while filling the cache")
     p.add_argument("--hf-max-batch", type=int, default=None, help="largest decode batch run through hf_eager")
-    p.add_argument("--ways", default=",".join(WAYS))
+    p.add_argument("--ways", default=",".join(DEFAULT_WAYS))
     p.add_argument("--skip-hf-eager", action="store_true")
     p.add_argument("--skip-compile-time", action="store_true", help="no cold / warm compile processes")
     p.add_argument("--compile-time-only", action="store_true", help="only the cold / warm compile processes")
@@ -376,7 +381,7 @@ def measure_hf(model, args, results: dict) -> None:
 def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: dict) -> None:
     """The ``way`` rows of ``results``: prefill, then decode at each batch size."""
     device = torch.device(args.device)
-    warm = 2 if way == "compiled" else 1  # CUDA-graph trees: a warm-up run, then the recording
+    warm = 2 if way.startswith("compiled") else 1  # CUDA-graph trees: a warm-up run, then the recording
     for b in _ints(args.prefill_batches):
         tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
         ms = statistics.median(backend_prefill_ms(backend, fn, tokens, warm + args.prefill_iters)[warm:])
@@ -432,6 +437,11 @@ def run(args) -> dict:
                                         "graph_breaks": sum(counters["graph_break"].values()),
                                         "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
         print("compiled:", results["compiled_counters"], flush=True)
+    if "compiled_lean" in args.ways:
+        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()])
+        measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False,
+                                                               passes=passes), args, results)
+        print("compiled_lean: Sinkhorn loops fused", passes.passes[1].matched_count, flush=True)
     return summarize(results, model.config, args)
 
 
