@@ -26,6 +26,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+from torch._dynamo.callback import CallbackTrigger
 from torch._dynamo.source import LocalSource
 
 from .device_checks import ENABLED_BY_ENV
@@ -152,9 +153,10 @@ class CompiledStep:
 
 class _StepCalls(threading.local):
     """Compiled-step calls in progress on this thread (``depth``) and, while Dynamo compiles a frame
-    inside one, the :data:`FRAME_SHAPE_CONFIG` / :data:`FRAME_DYNAMO_CONFIG` patches it entered. The patch is entered from Dynamo's
-    compile callbacks rather than around every call: a replay costs a counter update, not a config
-    change (~10 µs), and frames other code compiles keep the process's settings."""
+    inside one, the :data:`FRAME_SHAPE_CONFIG` / :data:`FRAME_DYNAMO_CONFIG` patches it entered.
+    They are entered from Dynamo's compile callbacks rather than around every call: a replay costs
+    a counter update, not a config change (~10 µs), and frames other code compiles keep the
+    process's settings."""
     depth = 0
     patches: list | None = None
 
@@ -172,7 +174,7 @@ def _install_frame_callbacks() -> None:
 
 
 def _enter_frame_config(args) -> None:
-    if _STEP_CALLS.depth and _STEP_CALLS.patches is None and args.callback_trigger.name == "DYNAMO":
+    if _STEP_CALLS.depth and _STEP_CALLS.patches is None and args.callback_trigger is CallbackTrigger.DYNAMO:
         _STEP_CALLS.patches = [torch.fx.experimental._config.patch(**FRAME_SHAPE_CONFIG),
                                torch._dynamo.config.patch(**FRAME_DYNAMO_CONFIG)]
         for patch in _STEP_CALLS.patches:

@@ -57,5 +57,10 @@ class DSV4InductorPass(CustomGraphPass):
         self.last_ops = dsv4_ops(graph)  # later Inductor passes keep mutating `graph`
 
     def uuid(self) -> str:
-        # this module too: passes build nodes with its helpers
-        return hash_source(type(self), inspect.getmodule(type(self)), inspect.getmodule(DSV4InductorPass))
+        return hash_source(*self.source_of_rewrite())
+
+    def source_of_rewrite(self) -> tuple:
+        """What decides how the pass rewrites a graph, hashed into its uuid: the pass's class and
+        module, and this module (passes build nodes with its helpers); a pass whose rewrite also
+        follows other code adds it."""
+        return type(self), inspect.getmodule(type(self)), inspect.getmodule(DSV4InductorPass)

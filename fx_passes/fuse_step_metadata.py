@@ -12,7 +12,6 @@ it is — e.g. an SWA-only stack, whose unused page table was eliminated before 
 
 from __future__ import annotations
 
-import inspect
 import operator
 
 import torch
@@ -20,8 +19,7 @@ import torch
 from .. import metadata_chain
 from .. import ops  # noqa: F401  (registers the dsv4:: ops matched here)
 from ..metadata_chain import CHAIN_OPS, fused_positions, output_index
-from . import base
-from .base import DSV4InductorPass, fake_result, hash_source
+from .base import DSV4InductorPass, fake_result
 
 _dsv4 = torch.ops.dsv4
 # For each op of the chain: where each of its outputs stands among step_metadata's outputs.
@@ -47,9 +45,9 @@ class FuseStepMetadataPass(DSV4InductorPass):
                 matches += 1
         return matches
 
-    def uuid(self) -> str:
+    def source_of_rewrite(self) -> tuple:
         # the output mapping comes from the field table: a changed table rewrites differently
-        return hash_source(type(self), inspect.getmodule(type(self)), base, metadata_chain)
+        return (*super().source_of_rewrite(), metadata_chain)
 
     @staticmethod
     def _chain(expand: torch.fx.Node):

@@ -4,13 +4,17 @@ Dynamo frames a full serving mix takes under torch's default Dynamo config (docs
 
 import pytest
 import torch
+from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs
 from dsv4_compile.compile import MAX_FRAMES, compile_options, compile_step
 from dsv4_compile.fx_passes import DSV4PassManager
+from dsv4_compile.model import enable
+from dsv4_compile.runner import ModelRunner
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.compile.serving_mix import ShapeLog, run_draft_mix, run_target_mix
 from tests.support.compile_checks import GraphCapture, fresh_compile_state, graph_breaks
+from tests.support.hf_model import tiny_hf_model
 from tests.support.oracle_asserts import assert_outputs_match
 
 M = ForwardMode
@@ -105,7 +109,6 @@ def test_serving_mix_stays_within_the_frame_bound_with_default_config():
 
 def _guard_lines(step_fn) -> list[int]:
     """Lines of each compiled frame's guard tree (Dynamo's cache entries of the step's code)."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
     entries = _debug_get_cache_entry_list(step_fn.compiled._torchdynamo_orig_callable.__code__)
     return [len(str(entry.guard_manager).splitlines()) for entry in entries]
 
@@ -135,10 +138,6 @@ def test_without_model_guards_the_mix_compiles_the_same_frames_and_matches_the_o
 def test_model_step_without_model_guards_equals_the_eager_backend():
     """On a transformers model (most of whose guards are on its modules) the step compiled without
     model guards scores as the eager backend does, in as many frames, with a far smaller guard tree."""
-    from dsv4_compile.model import enable
-    from dsv4_compile.runner import ModelRunner
-    from tests.support.hf_model import tiny_hf_model
-
     backend = enable(tiny_hf_model(), max_requests=4, max_seq_len=512)
     sequences = [list(range(1, 40)), [7] * 3, list(range(100, 400))]
     want = ModelRunner(backend).score(sequences)
