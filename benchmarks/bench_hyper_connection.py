@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
             for name, fn in compiled.items():
                 combs[name] = fn(streams)[1].clone()
                 prof = profile_steps(lambda n: [fn(streams) for _ in range(n)], args.iters)
-                case[name] = {"kernels": prof["kernels"], "us": graph_us(lambda: fn(streams), iters=20, inner=20)}
+                case[name] = {"kernels": prof["kernels"], "top": prof["top"], "us": graph_us(lambda: fn(streams), iters=20, inner=20)}
             case["max_abs_diff_comb"] = (combs["fused"] - combs["unfused"]).abs().max().item()
             results["cases"].append(case)
             print(f"T {t:5d} | unfused {case['unfused']['kernels']:5.1f} kernels {case['unfused']['us']:7.2f} us"

@@ -23,9 +23,8 @@ Ways (the same model and weights):
                    (``model(ids, past_key_values=cache, use_cache=True)``), as a generate loop runs it
     backend_eager  the model on the backend, eager: ``backend(input_ids, step, logit_rows)``
     compiled       ``compile_step(backend, mode="reduce-overhead")``: one graph, CUDA graphs
-    compiled_lean  the same with the opt-in host and kernel savings: ``model_guards=False`` (no
-                   Dynamo guards on the model) and ``FuseSinkhornPass`` beside the default passes;
-                   not in the default ``--ways``
+    compiled_lean  the same with ``model_guards=False`` (no Dynamo guards on the model's
+                   parameters: less host time per call); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -63,7 +62,6 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps
@@ -95,7 +93,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--active-experts", type=int, default=2, help="routed experts per token")
     p.add_argument("--prompt-len", type=int, help="tokens of each prompt (default 4096)")
     p.add_argument("--batches", help="decode batch sizes (default 1,8,64)")
-    p.add_argument("--prefill-batches", help="prompts per prefill step (default 1,8)")
+    p.add_argument("--prefill-batches", help="prompts per prefill step (default 1,8; '' for none)")
     p.add_argument("--steps", type=int, help="timed decode steps (default 32)")
     p.add_argument("--warmup", type=int, default=3, help="decode steps before timing")
     p.add_argument("--prefill-iters", type=int, help="timed prefill calls (default 3)")
@@ -128,7 +126,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _ints(csv: str) -> list[int]:
-    return [int(v) for v in csv.split(",")]
+    """``"1,8"`` -> ``[1, 8]``; ``""`` -> ``[]`` (e.g. no prefill measurement)."""
+    return [int(v) for v in csv.split(",") if v]
 
 
 # -- model -----------------------------------------------------------------------------------------
@@ -306,7 +305,7 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
     us = 1e3 * elapsed_ms(lambda: run(timed), tokens.device) / args.steps
     profiled = None
     if profile:
-        profiled = profile_steps(lambda n: run(steps[-n:]), args.steps)
+        profiled = profile_steps(lambda n: run(steps[-n:]), args.steps, top=None)
     for r in rows:
         backend.allocator.free(r)
     return us, profiled
@@ -389,12 +388,12 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
         _report("prefill", b, way, ms, "ms")
     for b in _ints(args.batches):
         tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
-        profile = args.profile and way == "compiled" and device.type == "cuda"
+        profile = args.profile and way.startswith("compiled") and device.type == "cuda"
         results["decode"][b][way], profiled = backend_decode_us(backend, fn, tokens, args, profile)
         _report("decode", b, way, results["decode"][b][way], "us/step")
         if profiled:
-            results.setdefault("profile", {})[b] = profiled
-            print(f"profile  b {b:>3} compiled: wall {profiled['wall_us']:.0f} us, GPU busy "
+            results.setdefault("profile", {}).setdefault(way, {})[b] = profiled
+            print(f"profile  b {b:>3} {way}: wall {profiled['wall_us']:.0f} us, GPU busy "
                   f"{profiled['gpu_busy_us']:.0f} us, {profiled['kernels']:.0f} kernels/step; top kernels:", flush=True)
             for k in profiled["top"][:15]:
                 print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}", flush=True)
@@ -438,10 +437,8 @@ def run(args) -> dict:
                                         "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
         print("compiled:", results["compiled_counters"], flush=True)
     if "compiled_lean" in args.ways:
-        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()])
-        measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False,
-                                                               passes=passes), args, results)
-        print("compiled_lean: Sinkhorn loops fused", passes.passes[1].matched_count, flush=True)
+        measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),
+                        args, results)
     return summarize(results, model.config, args)
 
 

@@ -2,10 +2,10 @@
 
 torch 2.11 accepts a single custom pass there, so the manager is that pass and runs its own
 list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidates cached graphs).
-The default list holds the passes measured to pay on the H200 at every step size; the others are
-given by name (``DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()])``): the Sinkhorn
-fusion took a hyper-connection from 48 kernels to 10 and 66 to 39 µs at 64 tokens, but from 50 to
-64 µs at one token (benchmarks/README.md, "Hyper-connections").
+The default list holds the passes measured to pay on the H200 at every step size: the metadata
+fusion, and the Sinkhorn fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token,
+66 -> 39 µs at 64: benchmarks/README.md, "Hyper-connections"). Another list is given by name, e.g.
+``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
@@ -15,14 +15,20 @@ import hashlib
 import torch
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_sinkhorn import FuseSinkhornPass
 from .fuse_step_metadata import FuseStepMetadataPass
+
+
+def default_passes() -> list[DSV4InductorPass]:
+    """A fresh instance of each default pass, in the order they run."""
+    return [FuseStepMetadataPass(), FuseSinkhornPass()]
 
 
 class DSV4PassManager(DSV4InductorPass):
     def __init__(self, passes: list[DSV4InductorPass] | None = None) -> None:
         super().__init__()
         self.passes: list[DSV4InductorPass] = []
-        for p in passes if passes is not None else [FuseStepMetadataPass()]:
+        for p in passes if passes is not None else default_passes():
             self.add(p)
 
     def add(self, p: DSV4InductorPass) -> None:

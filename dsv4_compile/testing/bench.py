@@ -79,13 +79,13 @@ def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[
     return 1e3 * ms / inner
 
 
-def profile_steps(run_steps: Callable[[int], object], steps: int, top: int = 25) -> dict[str, Any]:
+def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | None = 25) -> dict[str, Any]:
     """Profile ``run_steps(steps)`` (``steps`` consecutive steps, already warmed up) on CUDA.
 
     Returns per step: ``wall_us`` (host wall time, device work included), ``gpu_busy_us`` (summed
     kernel time: kernels of one stream do not overlap), ``host_overhead_us`` (their difference: the
     time the GPU waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the
-    ``top`` kernels by time, each ``{"name", "us_per_step", "calls_per_step"}``.
+    ``top`` kernels by time (``None``: all), each ``{"name", "us_per_step", "calls_per_step"}``.
     """
     from torch.profiler import ProfilerActivity, profile
 

@@ -33,7 +33,8 @@ def test_strided_input_and_no_rows():
 def test_compiled_hyper_connection_runs_the_op():
     """Fused against the same module compiled without the pass: comb within a few fp32 ulps (only
     the Sinkhorn differs), post and the collapsed streams within one rounding step at their scale;
-    both compiles within 1e-3 of eager (Inductor's own fp32 reduction order)."""
+    both compiles within 1e-3 of eager (Inductor's own fp32 reduction order), the bf16 collapsed
+    streams within one bf16 rounding step of eager's."""
     hc = DeepseekV4HyperConnection(tiny_hf_config(num_hidden_layers=1, hidden_size=4096)).cuda()
     for p in (hc.fn, hc.base, hc.scale):
         p.normal_(std=0.5)
@@ -49,4 +50,6 @@ def test_compiled_hyper_connection_runs_the_op():
     scale = want_collapsed.float().abs().max().item()
     torch.testing.assert_close(collapsed.float(), want_collapsed.float(), atol=2 ** -8 * scale, rtol=0)
     for got, want in zip(outs["fused"], hc(streams)):
-        torch.testing.assert_close(got.float(), want.float(), atol=1e-3 * max(1.0, want.float().abs().max().item()), rtol=0)
+        scale = want.float().abs().max().item()
+        bf16_step = 2 ** -8 * scale if want.dtype == torch.bfloat16 else 0.0  # collapsed: one rounding flip
+        torch.testing.assert_close(got.float(), want.float(), atol=max(1e-3 * max(1.0, scale), bf16_step), rtol=0)

@@ -1,6 +1,6 @@
 """The Sinkhorn kernel vs the reference (``ops/kernels/hyper_connection.py``), small shapes.
 
-Matrix counts on both sides of a program's BLOCK_M (64 matrices of 4 x 4) and none at all,
+Matrix counts that fill whole programs (BLOCK_M = 4 matrices of 4 x 4), leave one partly filled, and none,
 N = 4 (hc_mult), N = 3, 5 or 33 (padded to 4, 8 or 64) and N = MAX_N, strided input. The sums may be added in
 another order than the reference's, so results agree to fp32 rounding (atol 1e-6 on values in
 [0, 1]); through ``torch.ops.dsv4`` an N past the kernel's MAX_N runs the reference."""
