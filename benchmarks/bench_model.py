@@ -23,7 +23,9 @@ Ways (the same model and weights):
                    (``model(ids, past_key_values=cache, use_cache=True)``), as a generate loop runs it
     backend_eager  the model on the backend, eager: ``backend(input_ids, step, logit_rows)``
     compiled       ``compile_step(backend, mode="reduce-overhead")``: one graph, CUDA graphs
-    compiled_lean  the same with ``model_guards=False`` (no Dynamo guards on the model's
+    compiled_grouped  compiled with transformers' ``grouped_mm`` experts in place of the
+                   backend's (``dsv4::routed_experts``); not in the default ``--ways``
+    compiled_lean  compiled with ``model_guards=False`` (no Dynamo guards on the model's
                    parameters: less host time per call); not in the default ``--ways``
 
 Measured:
@@ -34,7 +36,8 @@ Measured:
                ``--fill-tokens`` tokens; transformers: chunks of that many tokens over the batch),
                then ``--warmup`` + ``--steps`` greedy decode steps of one token per request; the
                time per step is the CUDA-event time of the ``--steps`` timed steps over their count
-               (step inputs built before timing, next tokens chosen on the device)
+               (step inputs built before timing, next tokens chosen on the device by
+               ``sampling.greedy_tokens``, every way alike)
     compile    first-call wall time of each frame of ``compile_step`` (prefill b = 1, decode b = 1,
                decode b = 2) in a fresh process with empty Inductor and Triton caches (cold), then
                in a second fresh process with the caches the first one filled (warm)
@@ -63,11 +66,12 @@ from transformers import DeepseekV4Config, DynamicCache
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.model import ModelBackend, enable
+from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps
 from dsv4_compile.testing.random_model import random_hf_model
 
-WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_lean")
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", "compiled_lean")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -203,7 +207,7 @@ def wall_s(fn: Callable[[], object], device: torch.device) -> float:
 def hf_forward(model, ids: torch.Tensor, cache: DynamicCache) -> torch.Tensor:
     """One forward of ``ids [b, S]`` appended to ``cache``; the next greedy tokens ``[b, 1]``."""
     logits = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-    return logits[:, -1].argmax(-1, keepdim=True)
+    return greedy_tokens(logits[:, -1])[:, None]
 
 
 def hf_prefill_ms(model, tokens: torch.Tensor) -> float:
@@ -298,7 +302,7 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
     def run(some):
         nonlocal ids
         for step in some:
-            ids = fn(ids, step, out_rows)[:b].argmax(-1)
+            ids = greedy_tokens(fn(ids, step, out_rows)[:b])
 
     run(steps[:args.warmup])
     timed = steps[args.warmup:args.warmup + args.steps]
@@ -436,6 +440,11 @@ def run(args) -> dict:
                                         "graph_breaks": sum(counters["graph_break"].values()),
                                         "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
         print("compiled:", results["compiled_counters"], flush=True)
+    if "compiled_grouped" in args.ways:
+        own = backend.model.config._experts_implementation
+        backend.model.set_experts_implementation("grouped_mm")
+        measure_backend(backend, "compiled_grouped", compile_step(backend, mode="reduce-overhead"), args, results)
+        backend.model.set_experts_implementation(own)
     if "compiled_lean" in args.ways:
         measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),
                         args, results)

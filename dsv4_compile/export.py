@@ -38,6 +38,7 @@ from torch._inductor.package import package_aoti
 from torch.export import Dim, ExportedProgram
 
 from .cache import DSV4Cache
+from . import hf_experts
 from .model import ModelBackend
 from .ops._library import traced_references
 from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
@@ -192,13 +193,17 @@ def has_c_shim(op: str, device: torch.device) -> bool:
 @contextlib.contextmanager
 def _packageable_experts(model: nn.Module, device: torch.device):
     """While entered, ``model``'s MoE experts run an implementation this torch can package on
-    ``device``: :data:`SHIMLESS_EXPERTS_FALLBACK` in place of ``grouped_mm`` where the C shim lacks
-    it; the model's own implementation is set back on exit."""
+    ``device``: ``grouped_mm`` in place of the backend's own (its CUDA kernels are Python
+    launchers, which a package cannot hold), :data:`SHIMLESS_EXPERTS_FALLBACK` in place of
+    ``grouped_mm`` where the C shim lacks it; the model's own implementation is set back on exit."""
     own = model.config._experts_implementation
-    if own != "grouped_mm" or device.type != "cuda" or has_c_shim("_grouped_mm", device):
+    packaged = "grouped_mm" if own == hf_experts.IMPLEMENTATION else own
+    if packaged == "grouped_mm" and device.type == "cuda" and not has_c_shim("_grouped_mm", device):
+        packaged = SHIMLESS_EXPERTS_FALLBACK
+    if packaged == own:
         yield
         return
-    model.set_experts_implementation(SHIMLESS_EXPERTS_FALLBACK)
+    model.set_experts_implementation(packaged)
     try:
         yield
     finally:

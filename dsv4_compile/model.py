@@ -25,7 +25,7 @@ from torch import nn
 from .allocator import PageAllocator
 from .cache import DSV4Cache
 from .config import DSV4AttnConfig
-from . import hf_generate, model_forward
+from . import hf_experts, hf_generate, model_forward
 from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
 from .runner import ModelRunner
@@ -34,12 +34,13 @@ from .step import StepInputs
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-# The MoE experts implementation the backend sets (docs/model.md, "Experts"): one grouped GEMM over
-# the tokens sorted by expert, with device-side group offsets (no host sync, no graph break), reading
-# each routed expert's weights once. ``batched_mm`` gathers a weight copy per (token, expert) pair
-# and the eager loop syncs on the set of routed experts (one MoE layer of the tiny test model, 64
-# tokens, CPU: 3 ms grouped, 64 ms batched, 222 ms eager).
-EXPERTS_IMPLEMENTATION = "grouped_mm"
+# The MoE experts implementation the backend sets (docs/model.md, "Experts"): on CUDA the routed
+# experts of a decode step's few slots in two launches that read each active expert's weights once
+# (``dsv4::routed_experts``), elsewhere and for larger steps one grouped GEMM over the slots sorted
+# by expert; no host sync, no graph break either way. ``batched_mm`` gathers a weight copy per
+# (token, expert) pair and the eager loop syncs on the set of routed experts (one MoE layer of the
+# tiny test model, 64 tokens, CPU: 3 ms grouped, 64 ms batched, 222 ms eager).
+EXPERTS_IMPLEMENTATION = hf_experts.IMPLEMENTATION
 
 Attend = Callable[[int, torch.Tensor], torch.Tensor]
 
@@ -189,6 +190,7 @@ def enable(model: nn.Module, *, max_requests: int, max_seq_len: int, max_draft_t
                       num_swa_pages=num_swa_pages, device=param.device)
     if mesh is not None:  # after every check: sharding changes the model
         parallel.parallelize(model, mesh)
+    hf_experts.register()
     model.set_experts_implementation(experts_implementation)
     backend = ModelBackend(model.eval(), config, cache, mesh)
     model_forward.install(backend)

@@ -23,7 +23,7 @@ import pytest
 import torch
 from torch._inductor.package import load_package
 
-from dsv4_compile import deploy, export
+from dsv4_compile import deploy, export, hf_experts
 from dsv4_compile.export import METADATA_KEY, PROGRAMS
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -237,12 +237,13 @@ def test_c_shim_lookup_reads_the_header():
         assert not export.has_c_shim("no_such_op", device)
 
 
-def test_gpu_export_swaps_grouped_experts_where_the_shim_lacks_them(backend, monkeypatch):
-    """Where the CUDA shim has no ``_grouped_mm`` (torch 2.11), a GPU package is exported with
-    ``batched_mm`` experts, which compute the same MoE (the same logits here); the model gets its own back afterwards. A
-    CPU export, or a shim that has the op, leaves the model as it is."""
+def test_export_swaps_the_experts_for_packageable_ones(backend, monkeypatch):
+    """A package holds ``grouped_mm`` experts in place of the backend's own (whose CUDA kernels are
+    Python launchers), and ``batched_mm`` ones where the CUDA shim has no ``_grouped_mm`` (torch
+    2.11): each computes the same MoE (the same logits here, bit for bit on the CPU); the model gets
+    its own back afterwards."""
     model, own = backend.model, backend.model.config._experts_implementation
-    assert own == "grouped_mm"
+    assert own == hf_experts.IMPLEMENTATION
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [20], [20], backend.allocator.extend(row, 20))
     ids, rows = torch.arange(20) % backend.vocab_size, torch.tensor([3, 19])
@@ -256,7 +257,8 @@ def test_gpu_export_swaps_grouped_experts_where_the_shim_lacks_them(backend, mon
 
     want = logits()
     with export._packageable_experts(model, torch.device("cpu")):
-        assert model.config._experts_implementation == own
+        assert model.config._experts_implementation == "grouped_mm"
+        assert torch.equal(logits(), want)
     monkeypatch.setattr(export, "has_c_shim", lambda op, device: op != "_grouped_mm")
     with export._packageable_experts(model, torch.device("cuda")):
         assert model.config._experts_implementation == export.SHIMLESS_EXPERTS_FALLBACK
@@ -264,7 +266,8 @@ def test_gpu_export_swaps_grouped_experts_where_the_shim_lacks_them(backend, mon
     assert model.config._experts_implementation == own
     monkeypatch.setattr(export, "has_c_shim", lambda op, device: True)
     with export._packageable_experts(model, torch.device("cuda")):
-        assert model.config._experts_implementation == own
+        assert model.config._experts_implementation == "grouped_mm"
+    assert model.config._experts_implementation == own
 
 
 @pytest.fixture(scope="module")

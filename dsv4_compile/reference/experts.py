@@ -1,0 +1,59 @@
+"""The routed experts of a DeepSeek V4 MoE layer — reference.
+
+transformers' ``DeepseekV4Experts`` holds every routed expert of a layer as two stacked weights:
+``gate_up [E, 2I, H]`` (the gate's rows, then the up projection's) and ``down [E, H, I]``. A token
+routed to expert ``e`` becomes::
+
+    gate, up = (x @ gate_up[e].T).chunk(2)
+    y = (silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)) @ down[e].T
+
+Each (token, expert) pair is a *slot*: ``expert_ids [T, K]`` names the K experts of each token and
+slot ``s = t * K + k`` reads token ``t``. The caller weights and sums the K slots of a token
+(transformers does that after its grouped GEMMs, so this module stops before it).
+
+Rounding: the matmuls accumulate in fp32 and, like the grouped GEMMs transformers runs, every
+intermediate is rounded to the activations' dtype where transformers' own code rounds it (the
+gate/up output, SiLU, the product, the down output).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``gate_up [S, 2I]`` (the activations' dtype) -> ``[S, I]``:
+    ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``, each step rounded to that dtype
+    (transformers' ``DeepseekV4Experts._apply_gate``)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   limit: float) -> torch.Tensor:
+    """Every slot's expert output, unweighted.
+
+    Args:
+        x: ``[T, H]`` bf16 / fp16 token activations.
+        expert_ids: ``[T, K]`` int32 / int64, the experts of each token; an id outside ``[0, E)``
+            makes its slot's output 0 (an expert held by no one, as under expert parallelism).
+        gate_up: ``[E, 2I, H]`` of ``x``'s dtype.
+        down: ``[E, H, I]`` of ``x``'s dtype.
+        limit: the SwiGLU clamp (``config.swiglu_limit``).
+
+    Returns:
+        ``[T * K, H]`` of ``x``'s dtype; row ``t * K + k`` is expert ``expert_ids[t, k]`` of token ``t``.
+
+    Every expert is applied to every slot and the slot keeps its own expert's result (no host
+    sync, no data-dependent shape): the specification, not a fast path.
+    """
+    t, k = expert_ids.shape
+    rows = x.repeat_interleave(k, dim=0).float()  # [S, H], slot s reads token s // K
+    ids = expert_ids.reshape(-1, 1)
+    out = torch.zeros(t * k, down.shape[1], dtype=x.dtype, device=x.device)
+    for e in range(gate_up.shape[0]):
+        hidden = swiglu((rows @ gate_up[e].float().T).to(x.dtype), limit)
+        y = (hidden.float() @ down[e].float().T).to(x.dtype)
+        out = torch.where(ids == e, y, out)
+    return out

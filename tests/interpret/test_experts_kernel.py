@@ -1,0 +1,80 @@
+"""The routed-experts kernels vs the reference (``ops/kernels/experts.py``), small shapes.
+
+Slot counts of one program tile (1, 2, 16 slots) and the largest (MAX_SLOTS), intermediate and
+hidden sizes that leave a partial column tile and a partial K block, ids outside the experts (0 rows),
+an expert no slot names, strided activations. The kernel accumulates in another order than the
+reference's GEMMs, so results agree to one rounding of the activations' dtype. The interpreter's
+``tl.dot`` misreads bf16 tiles (Triton 3.7: values of order 1e10), so there the kernels run fp16
+(their code does not depend on the dtype); on a GPU bf16 as well."""
+
+import os
+
+import pytest
+import torch
+
+from dsv4_compile.ops.kernels import experts as kernels
+from dsv4_compile.reference import experts as ref
+
+TOL = dict(atol=2e-3, rtol=1.6e-2)
+DTYPES = [torch.float16] if os.environ.get("TRITON_INTERPRET") == "1" else [torch.float16, torch.bfloat16]
+SMALL = ((16, 16, 2, 1), (16, 32, 1, 1))  # (BLOCK_N, BLOCK_K, warps, stages): several tiles at these sizes
+
+
+def _weights(num_experts, hidden, inter, device, dtype, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate_up = (torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=device) * 0.4).to(dtype)
+    down = (torch.randn(num_experts, hidden, inter, generator=gen, device=device) * 0.1).to(dtype)
+    return gate_up, down
+
+
+def _inputs(tokens, topk, num_experts, hidden, device, dtype, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    ids = torch.rand(tokens, num_experts, generator=gen, device=device).argsort(dim=1)[:, :topk]
+    return x, ids
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, topk", [(1, 1), (1, 2), (8, 2), (16, 4)])
+@pytest.mark.parametrize("hidden, inter", [(64, 32), (48, 40)])
+def test_kernel_matches_reference(device, dtype, tokens, topk, hidden, inter):
+    gate_up, down = _weights(4, hidden, inter, device, dtype)
+    x, ids = _inputs(tokens, topk, 4, hidden, device, dtype)
+    want = ref.routed_experts(x, ids, gate_up, down, 10.0)
+    got = kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL)
+    assert got.shape == (tokens * topk, hidden) and got.dtype == x.dtype
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_unowned_ids_unused_experts_fp16_strided(device):
+    """Ids -1 and E give 0 rows; expert 3 serves no slot; x is a strided view."""
+    gate_up, down = _weights(4, 64, 32, device, torch.float16)
+    x = torch.randn(5, 128, device=device).to(torch.float16)[:, ::2]
+    ids = torch.tensor([[0, 1], [2, -1], [1, 0], [4, 2], [0, 2]], device=device)
+    got = kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL)
+    assert torch.equal(got[[3, 6]], torch.zeros(2, 64, dtype=got.dtype, device=device))
+    torch.testing.assert_close(got, ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_default_configs_at_the_slot_limit(device, dtype):
+    """MAX_SLOTS slots with the launcher's default tiles (a K loop of one partial block)."""
+    gate_up, down = _weights(4, 64, 32, device, dtype)
+    x, ids = _inputs(kernels.MAX_SLOTS // 2, 2, 4, 64, device, dtype)
+    torch.testing.assert_close(kernels.launch_routed_experts(x, ids, gate_up, down, 10.0),
+                               ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+
+
+def test_more_slots_than_the_kernels_take(device):
+    gate_up, down = _weights(4, 64, 32, device, torch.bfloat16)
+    x, ids = _inputs(kernels.MAX_SLOTS // 2 + 1, 2, 4, 64, device, torch.bfloat16)
+    with pytest.raises(ValueError, match="at most"):
+        kernels.launch_routed_experts(x, ids, gate_up, down, 10.0)
+
+
+@pytest.mark.parametrize("tokens", [3, kernels.MAX_SLOTS])  # the kernels, then the grouped GEMMs
+def test_op_on_device(device, tokens):
+    gate_up, down = _weights(4, 64, 32, device, DTYPES[-1])
+    x, ids = _inputs(tokens, 2, 4, 64, device, DTYPES[-1])
+    torch.testing.assert_close(torch.ops.dsv4.routed_experts(x, ids, gate_up, down, 10.0),
+                               ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
