@@ -4,6 +4,7 @@ Usage:
     python benchmarks/bench_ops.py                       # every case, JSON to bench_ops.json
     python benchmarks/bench_ops.py --batch 256 --capacity 1048576 --only metadata
     python benchmarks/bench_ops.py --only compressor indexer
+    python benchmarks/bench_ops.py --only experts --batch 1 8 32 256
     python benchmarks/bench_ops.py --only indexer_logits --capacity 131072 1048576 --batch 256
     python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
     TRITON_INTERPRET=1 python benchmarks/bench_ops.py --dry-run --device cpu --batch 1 4 --capacity 1024
@@ -31,6 +32,8 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
   Target: scan >= 60% of HBM bandwidth at >= 128k. All share one random-code index cache sized
   for the largest b x capacity; the reference is timed only up to 2^22 scanned entries (it
   gathers fp32 keys: seconds per call beyond).
+* experts: ``routed_experts`` for b tokens over 8 experts (2 a token, 4 layers' weights cycled)
+  and 256 (6 a token), against the grouped GEMMs transformers' ``grouped_mm`` path runs.
 
 Adding cases: a builder is ``fn(args) -> list[Case]`` (``dsv4_compile.testing.bench.Case``)
 appended to ``CASE_BUILDERS``.
@@ -50,7 +53,9 @@ import torch
 from dsv4_compile import ForwardMode, layout
 from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW
 from dsv4_compile.metadata_chain import FIELDS_BY_NAME, named, run_chain
+from dsv4_compile.ops import experts as experts_ops
 from dsv4_compile.ops.kernels import compressor as comp_kernels
+from dsv4_compile.ops.kernels import experts as expert_kernels
 from dsv4_compile.ops.kernels import indexer as index_kernels
 from dsv4_compile.ops.kernels import kv_cache as kv_kernels
 from dsv4_compile.ops.kernels import metadata as meta_kernels
@@ -270,8 +275,48 @@ def topk_cases(args) -> list[Case]:
     return cases
 
 
+# -- routed-expert cases ----------------------------------------------------------------------
+# (experts E, experts per token K, layers cycled): the bench_model MoE (8 of 4096 x 2048, 2 a token;
+# 4 layers' weights, so that the L2 holds none of them across calls) and the Flash model's (256, 6)
+EXPERT_SHAPES = ((8, 2, 4), (256, 6, 1))
+EXPERT_DIMS = {"cuda": (4096, 2048), "cpu": (64, 32)}  # (hidden H, intermediate I); tiny for --dry-run on CPU
+
+
+def experts_cases(args) -> list[Case]:
+    """``dsv4::routed_experts`` (the Triton kernels up to ``MAX_SLOTS`` slots, grouped GEMMs above)
+    against the grouped GEMMs alone (``grouped_routed_experts``, the sorted-slot path transformers'
+    ``grouped_mm`` also takes), for b tokens each routed to K distinct experts, over each of the
+    cycled layers' weights in one call.
+
+    Bytes: the weights of every expert some token reaches (3 H I bf16 each), per layer, plus x read
+    and the slots' outputs written."""
+    hidden, inter = EXPERT_DIMS[torch.device(args.device).type]
+    cases = []
+    for num_experts, topk, layers in EXPERT_SHAPES:
+        gen = torch.Generator(device=args.device).manual_seed(num_experts)
+        weights = [((torch.randn(num_experts, 2 * inter, hidden, generator=gen, device=args.device) * 0.02)
+                    .bfloat16(), (torch.randn(num_experts, hidden, inter, generator=gen, device=args.device) * 0.02)
+                    .bfloat16()) for _ in range(layers)]
+        for b in args.batch:
+            x = torch.randn(b, hidden, generator=gen, device=args.device).bfloat16()
+            ids = torch.rand(b, num_experts, generator=gen, device=args.device).argsort(dim=1)[:, :topk]
+            reached = ids.unique().numel()
+
+            def over_layers(fn, x=x, ids=ids):
+                return [fn(x, ids, gate_up, down, 10.0) for gate_up, down in weights]
+
+            cases.append(Case("routed_experts", {"b": b, "experts": num_experts, "topk": topk, "layers": layers},
+                              family="experts",
+                              kernel=partial(over_layers, torch.ops.dsv4.routed_experts),
+                              reference=partial(over_layers, experts_ops.grouped_routed_experts),
+                              bytes=layers * (reached * 3 * hidden * inter + b * hidden + b * topk * hidden) * 2,
+                              notes=f"{reached} experts reached; reference: the grouped GEMMs",
+                              extra={"slots": b * topk, "kernels": b * topk <= expert_kernels.MAX_SLOTS}))
+    return cases
+
+
 CASE_BUILDERS: list[Callable[[argparse.Namespace], list[Case]]] = [
-    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases]
+    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases, experts_cases]
 
 
 # -- driver ------------------------------------------------------------------------------------

@@ -115,6 +115,18 @@ def test_sinkhorn(x):
     _opcheck(ops.sinkhorn, (x, 20, 1e-6))
 
 
+def _experts_args(tokens: int, dtype=torch.bfloat16) -> tuple:
+    """``routed_experts`` arguments: 4 experts of hidden 64 x intermediate 32, 2 a token."""
+    x = torch.randn(tokens, 64).to(dtype)
+    ids = torch.rand(tokens, 4).argsort(dim=1)[:, :2].int()
+    return x, ids, torch.randn(4, 64, 64).to(dtype), torch.randn(4, 64, 32).to(dtype), 10.0
+
+
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_routed_experts(tokens):
+    _opcheck(ops.routed_experts, _experts_args(tokens, torch.float16))
+
+
 def _calls(state) -> dict[str, tuple]:
     """One valid call of every op of this library: op name -> arguments."""
     eng, cache, steps, metas = state
@@ -147,13 +159,14 @@ def _calls(state) -> dict[str, tuple]:
                                KVSet(cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths),
                                KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
+        "routed_experts": _experts_args(3),
     }
 
 
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
