@@ -8,6 +8,7 @@ import hashlib
 import inspect
 
 import torch
+import torch.utils._pytree as pytree
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 
@@ -21,9 +22,9 @@ def hash_source(*objects) -> str:
 
 def fake_result(op: torch._ops.OpOverload, args: tuple):
     """What ``op`` returns on ``args`` as fake tensors: its fake impl run on the ``meta["val"]`` of
-    the node arguments (the ``meta["val"]`` of a node a pass inserts)."""
-    vals = [a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args]
-    with torch._guards.detect_fake_mode(vals):
+    the node arguments, lists of nodes included (the ``meta["val"]`` of a node a pass inserts)."""
+    vals = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, list(args))
+    with torch._guards.detect_fake_mode(pytree.tree_leaves(vals)):
         return op(*vals)
 
 

@@ -5,7 +5,8 @@ list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidat
 The default list holds the passes measured to pay on the H200 at every step size: the metadata
 fusion, and the Sinkhorn fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token,
 66 -> 39 µs at 64: benchmarks/README.md, "Hyper-connections"). Another list is given by name, e.g.
-``DSV4PassManager([FuseStepMetadataPass()])``.
+``DSV4PassManager([FuseStepMetadataPass()])`` or, with the opt-in linear fusion (not yet timed on
+the H200), ``DSV4PassManager([*default_passes(), FuseSharedInputLinearsPass()])``.
 """
 
 from __future__ import annotations

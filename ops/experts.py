@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ..reference import experts as ref
-from ._checks import INDEX_DTYPES, check_devices, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_positive, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -30,6 +30,7 @@ def _check_routed_experts(x, expert_ids, gate_up, down, limit) -> None:
     check_tensor(op, "expert_ids", expert_ids, dtypes=INDEX_DTYPES, ndim=2, shape=(x.shape[0], None))
     check_tensor(op, "gate_up", gate_up, dtypes=(x.dtype,), ndim=3)
     num_experts, two_i, hidden = gate_up.shape
+    check_positive(op, "gate_up's expert count", num_experts)
     if hidden != x.shape[1] or two_i % 2:
         raise ValueError(f"dsv4.routed_experts: gate_up must be [E, 2I, H] with H = {x.shape[1]} (x's hidden "
                          f"size), got shape {tuple(gate_up.shape)}")

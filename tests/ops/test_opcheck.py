@@ -127,6 +127,11 @@ def test_routed_experts(tokens):
     _opcheck(ops.routed_experts, _experts_args(tokens, torch.float16))
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_linears(rows):
+    _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
+
+
 def _calls(state) -> dict[str, tuple]:
     """One valid call of every op of this library: op name -> arguments."""
     eng, cache, steps, metas = state
@@ -160,13 +165,14 @@ def _calls(state) -> dict[str, tuple]:
                                KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
+        "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
     }
 
 
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)

@@ -116,6 +116,7 @@ def test_bad_arguments_name_themselves():
         ((x, ids[:2], gu, down, 10.0), ValueError, "expert_ids has shape"),
         ((x, ids, gu.half(), down, 10.0), TypeError, "gate_up must have dtype"),
         ((x, ids, gu[:, :, :128], down, 10.0), ValueError, "gate_up must be"),
+        ((x, ids, gu[:0], down[:0], 10.0), ValueError, "expert count=0"),
         ((x, ids, gu, down[:, :, :64], 10.0), ValueError, "down has shape"),
         ((x, ids, gu, down, 0.0), ValueError, "limit=0.0"),
         ((x, ids, gu, down.to("meta"), 10.0), ValueError, "down is on meta"),

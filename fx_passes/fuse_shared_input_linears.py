@@ -1,0 +1,107 @@
+"""Fuse the bf16 / fp16 linear maps of one activation into one ``dsv4::linears`` node.
+
+A DeepSeek V4 layer projects its normed hidden state several times: ``q_a_proj`` and ``kv_proj``,
+the compressor's ``kv_proj`` and ``gate_proj``, the indexer's own compressor and ``weights_proj``;
+after the attention, the router and the shared expert's ``gate_proj`` / ``up_proj``. Each is an
+``nn.Linear`` call of the model's own module, which traces to ``mm(x, permute(w, [1, 0]))`` with
+``w`` a graph input (the parameter). At a decode step's few rows each is a cuBLAS GEMV bound by
+latency rather than bytes (a split-K kernel plus a reduction kernel apiece). The pass replaces the
+matmuls of one ``x`` by one ``dsv4.linears(x, [w, ...])`` whose outputs take the matmuls' place:
+one launch on CUDA up to 16 rows, the same ``torch.mm`` calls above (the op decides at run time,
+so dynamic token counts add no guard).
+
+Matched: two or more ``aten.mm`` of the same 2-D ``x`` by ``permute(w, [1, 0])`` (or ``t(w)``,
+as a graph traced without Inductor's decompositions holds it) where ``w`` is a
+2-D placeholder of ``x``'s dtype (bf16 / fp16), with ``x`` on one of ``devices`` (CUDA by default:
+elsewhere the op is the same matmuls). Anything else — a quantised linear (another op), a weight
+computed in the graph, fp32 matmuls — is left as it is.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+from .. import ops  # noqa: F401  (registers dsv4::linears)
+from ..ops.linear import DTYPES
+from .base import DSV4InductorPass, fake_result
+
+_aten = torch.ops.aten
+_LINEARS = torch.ops.dsv4.linears.default
+_RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
+
+
+class FuseSharedInputLinearsPass(DSV4InductorPass):
+    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
+        super().__init__()
+        self.devices = tuple(devices)
+
+    def apply(self, graph: torch.fx.Graph) -> int:
+        by_input: dict[object, list[torch.fx.Node]] = defaultdict(list)
+        order = {node: i for i, node in enumerate(graph.nodes)}
+        for mm in sorted(graph.find_nodes(op="call_function", target=_aten.mm.default), key=order.__getitem__):
+            if self._weight_of(mm) is not None:
+                by_input[_input_key(mm.args[0])].append(mm)
+        matches = 0
+        for mms in by_input.values():
+            if len(mms) >= 2:  # the first product's x is defined before every product of the group
+                _replace(graph, mms[0].args[0], mms, [self._weight_of(mm) for mm in mms])
+                matches += 1
+        return matches
+
+    def _weight_of(self, mm: torch.fx.Node) -> torch.fx.Node | None:
+        """The placeholder ``w`` of ``mm(x, permute(w, [1, 0]))`` (or ``t(w)``) when the product
+        qualifies, else None."""
+        if mm.kwargs or len(mm.args) != 2:
+            return None
+        x, wt = mm.args
+        transposed = isinstance(wt, torch.fx.Node) and (
+            wt.target is _aten.t.default or (wt.target is _aten.permute.default and list(wt.args[1]) == [1, 0]))
+        if not transposed:
+            return None
+        w = wt.args[0]
+        xv, wv = x.meta.get("val"), w.meta.get("val") if isinstance(w, torch.fx.Node) else None
+        if not (w.op == "placeholder" and isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)):
+            return None
+        ok = (xv.dim() == 2 and wv.dim() == 2 and xv.dtype in DTYPES and wv.dtype == xv.dtype
+              and xv.device.type in self.devices and wv.device == xv.device)
+        return w if ok else None
+
+    def uuid(self) -> str:
+        return hashlib.sha256((super().uuid() + repr(self.devices)).encode()).hexdigest()
+
+
+def _input_key(x: torch.fx.Node) -> object:
+    """What identifies the value of ``x``: ``x`` itself, or for a 2-D reshape ``(source, last
+    dim)`` — each ``nn.Linear`` of a 3-D activation flattens it with a reshape of its own
+    (``[-1, H]`` or ``[T, H]``), and every 2-D reshape of one source to the same last dim holds the
+    same values."""
+    if x.target in _RESHAPES and len(x.args) == 2 and len(x.args[1]) == 2 and isinstance(x.args[1][1], int):
+        return "reshape", x.args[0], x.args[1][1]
+    return x
+
+
+def _replace(graph: torch.fx.Graph, x: torch.fx.Node, mms: list[torch.fx.Node], weights: list[torch.fx.Node]) -> None:
+    """One ``linears`` node before the first of ``mms`` (in graph order); each mm's users read its
+    output instead."""
+    args = (x, weights)
+    with graph.inserting_before(mms[0]):
+        fused = graph.call_function(_LINEARS, args)
+        fused.meta["val"] = fake_result(_LINEARS, args)
+        outs = []
+        for i in range(len(mms)):
+            out = graph.call_function(operator.getitem, (fused, i))
+            out.meta["val"] = fused.meta["val"][i]
+            outs.append(out)
+    for mm, out in zip(mms, outs):
+        inputs = mm.args
+        mm.replace_all_uses_with(out)
+        graph.erase_node(mm)
+        for node in inputs:  # the weight's transpose, another product's own reshape of x
+            if not node.users and node.target in (*_RESHAPES, _aten.t.default, _aten.permute.default):
+                graph.erase_node(node)
+

@@ -1,0 +1,102 @@
+"""FuseSharedInputLinearsPass: the bf16 matmuls of one activation by graph-input weights become one
+``dsv4::linears`` node, with the same results.
+
+Functions taking their weights as arguments (placeholders, as Inductor's graph holds parameters)
+are traced with ``make_fx`` and the pass applied to their graph directly; a whole model step is
+compiled with Inductor. On the CPU the op is the same ``torch.mm`` calls, so results are bit for
+bit those of the unfused graph; the pass is told to match CPU tensors (by default it matches CUDA
+ones only, where the op is one launch)."""
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from dsv4_compile.compile import compile_step
+from dsv4_compile.export import EXACT_NUMERICS
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseSharedInputLinearsPass, FuseSinkhornPass,
+                                    FuseStepMetadataPass)
+from dsv4_compile.model import enable
+from dsv4_compile.step import ForwardMode, StepInputs
+from tests.support.compile_checks import fresh_compile_state
+from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+
+FUSED = "dsv4.linears.default"
+bf16 = dict(dtype=torch.bfloat16)
+
+
+def _rewrite(fn, *args, devices=("cpu",)):
+    """``fn`` traced at ``args`` and rewritten: (matches, the graph's dsv4 ops, fused nodes' weight
+    counts, outputs before and after)."""
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    fuse = FuseSharedInputLinearsPass(devices)
+    fuse(gm.graph)
+    gm.recompile()
+    counts = [len(n.args[1]) for n in gm.graph.find_nodes(op="call_function", target=torch.ops.dsv4.linears.default)]
+    return fuse.matched_count, fuse.last_ops, counts, fn(*args), gm(*args)
+
+
+def _weights(*rows, k=64, dtype=torch.bfloat16):
+    return [torch.randn(n, k, dtype=dtype) for n in rows]
+
+
+def test_projections_of_one_input_fused():
+    """Three products of ``h`` (one cast to fp32 after, as the compressor's are) become one node;
+    the product of another input stays a matmul."""
+    def fn(x, w1, w2, w3, v, other):
+        h = x * 2
+        return h @ w1.T, (h @ w2.T).float(), torch.nn.functional.linear(h, w3), other @ v.T
+
+    x, other = torch.randn(5, 64, **bf16), torch.randn(5, 64, **bf16)
+    matches, ops, counts, want, got = _rewrite(fn, x, *_weights(32, 16, 8, 24), other)
+    assert (matches, ops, counts) == (1, [FUSED], [3])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+def test_more_weights_than_a_launch_holds():
+    """Ten products of one input: one node (the op splits it into launches of 8 on CUDA)."""
+    ws = _weights(*range(8, 18))
+    matches, _, counts, want, got = _rewrite(lambda x, *w: [x @ wi.T for wi in w], torch.randn(3, 64, **bf16), *ws)
+    assert (matches, counts) == (1, [10])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("case", ["one-product", "fp32", "weight-computed", "cuda-only", "inputs-differ"])
+def test_other_products_left_alone(case):
+    x = torch.randn(4, 64, **bf16)
+    fn, args, devices = {
+        "one-product": (lambda x, w: x @ w.T, (x, *_weights(8)), ("cpu",)),
+        "fp32": (lambda x, w1, w2: (x @ w1.T, x @ w2.T), (x.float(), *_weights(8, 8, dtype=torch.float32)), ("cpu",)),
+        "weight-computed": (lambda x, w1, w2: (x @ (2 * w1).T, x @ (2 * w2).T), (x, *_weights(8, 8)), ("cpu",)),
+        "cuda-only": (lambda x, w1, w2: (x @ w1.T, x @ w2.T), (x, *_weights(8, 8)), ("cuda",)),
+        "inputs-differ": (lambda x, w1, w2: (x @ w1.T, (x + 1) @ w2.T), (x, *_weights(8, 8)), ("cpu",)),
+    }[case]
+    matches, ops, _, want, got = _rewrite(fn, *args, devices=devices)
+    assert (matches, ops) == (0, [])
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) if isinstance(want, tuple) else torch.equal(got, want)
+
+
+def test_uuid_follows_the_devices():
+    assert FuseSharedInputLinearsPass(("cpu",)).uuid() != FuseSharedInputLinearsPass().uuid()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
+@torch.no_grad()
+def test_model_step_fuses_each_layers_projections():
+    """compile_step of a 2-layer model (sliding, then CSA) with the default passes and this one:
+    in each layer the products of the normed hidden state (q_a, kv; on the CSA layer also the
+    compressor's, the indexer's compressor and weights) and those of the post-attention norm (the
+    router, the shared expert's gate and up) fuse, and on the CSA layer the two of the query latent
+    (q_b and the indexer's q_b): 5 nodes. With Inductor rounding where eager rounds the logits are
+    the eager backend's, bit for bit."""
+    config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
+    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
+    fuse = FuseSharedInputLinearsPass(("cpu",))
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
+    row = backend.allocator.admit()
+    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    want = backend(ids, step, torch.arange(6)).float()
+    with fresh_compile_state():
+        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse])
+        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
+    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 5
+    assert torch.equal(got, want)

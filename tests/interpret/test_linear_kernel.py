@@ -1,0 +1,60 @@
+"""The ``dsv4::linears`` kernel vs ``torch.mm`` (``ops/kernels/linear.py``), small shapes.
+
+Row counts 1 to 16, weights whose row counts leave a partial tile, one to eight weights a launch,
+a K that leaves a partial block, a strided x, no rows. The kernel accumulates in another order
+than ``torch.mm``, so results agree to one rounding of the output dtype. Under the interpreter the
+kernel runs fp16 (its ``tl.dot`` misreads bf16 tiles there: see ``test_experts_kernel.py``)."""
+
+import os
+
+import pytest
+import torch
+
+from dsv4_compile.ops.kernels import linear as kernels
+
+DTYPES = [torch.float16] if os.environ.get("TRITON_INTERPRET") == "1" else [torch.float16, torch.bfloat16]
+SMALL = (16, 32, 2, 1)  # several tiles and K blocks at these sizes
+
+
+def _close(got, want):
+    """Within one bf16 rounding step at the output's scale."""
+    torch.testing.assert_close(got.float(), want.float(), atol=2 ** -7 * want.float().abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 5, kernels.MAX_ROWS])
+@pytest.mark.parametrize("rows", [(40,), (16, 33, 8), tuple(range(9, 17))])
+def test_kernel_matches_mm(device, dtype, m, rows):
+    gen = torch.Generator(device=device).manual_seed(m)
+    x = torch.randn(m, 72, generator=gen, device=device).to(dtype)
+    weights = [torch.randn(n, 72, generator=gen, device=device).to(dtype) for n in rows]
+    outs = kernels.launch_linears(x, weights, SMALL)
+    assert [tuple(o.shape) for o in outs] == [(m, n) for n in rows]
+    for out, w in zip(outs, weights):
+        assert out.dtype == dtype
+        _close(out, x @ w.T)
+
+
+def test_default_config_strided_x_and_no_rows(device):
+    x = torch.randn(3, 144, device=device).to(torch.float16)[:, ::2]
+    weights = [torch.randn(n, 72, device=device).to(torch.float16) for n in (100, 7)]
+    for out, w in zip(kernels.launch_linears(x, weights), weights):
+        _close(out, x @ w.T)
+    empty = kernels.launch_linears(x[:0], weights)
+    assert [tuple(o.shape) for o in empty] == [(0, 100), (0, 7)]
+
+
+def test_limits():
+    x, w = torch.zeros(kernels.MAX_ROWS + 1, 8), torch.zeros(4, 8)
+    with pytest.raises(ValueError, match="at most"):
+        kernels.launch_linears(x, [w])
+    with pytest.raises(ValueError, match="at most"):
+        kernels.launch_linears(x[:2], [w] * (kernels.MAX_WEIGHTS + 1))
+
+
+@pytest.mark.parametrize("m, count", [(3, 10), (kernels.MAX_ROWS + 4, 2)])  # two launches; torch.mm
+def test_op_on_device(device, m, count):
+    x = torch.randn(m, 64, device=device).to(DTYPES[-1])
+    weights = [torch.randn(8 + g, 64, device=device).to(DTYPES[-1]) for g in range(count)]
+    for out, w in zip(torch.ops.dsv4.linears(x, weights), weights):
+        _close(out, x @ w.T)
