@@ -7,7 +7,8 @@ of one input (a layer's query, key and compressor projections of the normed hidd
 here as one grid over every weight's column tiles: program ``p`` finds the weight whose tiles
 hold ``p``, streams ``BLOCK_N`` of its rows along K once and multiplies them with all rows of x at
 once on the tensor cores (x padded to 16 rows). Up to :data:`MAX_WEIGHTS` weights a launch, each
-its own pointer argument (no pointer table to build, so the launch is CUDA-graph safe).
+its own pointer argument (no pointer table to build, so the launch is CUDA-graph safe); a program
+selects its weight's pointers by value, so the kernel has one K loop whatever the weight count.
 
 Numerics: fp32 accumulation, one rounding to the output dtype, as cuBLAS; only the order of the
 K sums differs.
@@ -27,50 +28,56 @@ CONFIG = (32, 256, 4, 3)
 
 
 @triton.jit
-def _tile(x_ptr, w_ptr, out_ptr, n_rows, first, last, pid, M, K, stride_x,
-          M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[:, tile] = x @ w[tile].T`` when ``first <= pid < last`` (the tiles of this weight);
-    otherwise nothing is read or written."""
-    mine = (pid >= first) & (pid < last)
-    k_end = tl.where(mine, K, 0)
-    rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = mine & (rows < n_rows)
-    m = tl.arange(0, M_PAD)
-    m_ok = m < M
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
-    tl.store(out_ptr + m[:, None] * n_rows + rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & row_ok[None, :])
+def _owner(pid, w, o, n, first, cur_w, cur_o, cur_n, cur_first):
+    """The weight ``(w, o, n, first)`` in place of the current one when its tiles start at or
+    before ``pid`` (tiles are laid out weight after weight, so the last such weight owns ``pid``).
+    Pointers are carried as int64: a program picks its weight by value, with one K loop."""
+    mine = pid >= first
+    return (tl.where(mine, w.to(tl.int64), cur_w), tl.where(mine, o.to(tl.int64), cur_o),
+            tl.where(mine, n, cur_n), tl.where(mine, first, cur_first))
 
 
 @triton.jit
 def _linears_kernel(x_ptr, M, K, stride_x,
                     w0, o0, n0, t0, w1, o1, n1, t1, w2, o2, n2, t2, w3, o3, n3, t3,
-                    w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7, t8,
+                    w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7,
                     G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns programs ``[t_g, t_{g+1})``."""
+    """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns programs ``[t_g, t_{g+1})``:
+    ``o_g[:, tile] = x @ w_g[tile].T``."""
     pid = tl.program_id(0)
-    _tile(x_ptr, w0, o0, n0, t0, t1, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+    w, o, n, first = w0.to(tl.int64), o0.to(tl.int64), n0, t0
     if G > 1:
-        _tile(x_ptr, w1, o1, n1, t1, t2, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w1, o1, n1, t1, w, o, n, first)
     if G > 2:
-        _tile(x_ptr, w2, o2, n2, t2, t3, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w2, o2, n2, t2, w, o, n, first)
     if G > 3:
-        _tile(x_ptr, w3, o3, n3, t3, t4, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w3, o3, n3, t3, w, o, n, first)
     if G > 4:
-        _tile(x_ptr, w4, o4, n4, t4, t5, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w4, o4, n4, t4, w, o, n, first)
     if G > 5:
-        _tile(x_ptr, w5, o5, n5, t5, t6, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w5, o5, n5, t5, w, o, n, first)
     if G > 6:
-        _tile(x_ptr, w6, o6, n6, t6, t7, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w6, o6, n6, t6, w, o, n, first)
     if G > 7:
-        _tile(x_ptr, w7, o7, n7, t7, t8, pid, M, K, stride_x, M_PAD, BLOCK_N, BLOCK_K)
+        w, o, n, first = _owner(pid, w7, o7, n7, t7, w, o, n, first)
+    dtype = x_ptr.dtype.element_ty
+    # the launcher passes 16-byte aligned weights and outputs: a pointer made from an integer has
+    # lost what Triton knows of an argument's alignment, and the loads stay vectorised with it
+    w_ptr = tl.multiple_of(w.to(tl.pointer_type(dtype)), 16)
+    out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
+    rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < n
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(wt), acc)
+    tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=m_ok[:, None] & row_ok[None, :])
 
 
 def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
@@ -84,7 +91,9 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
                          f"{MAX_ROWS} rows and 1 to {MAX_WEIGHTS} weights")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    weights = [w.contiguous() for w in weights]
+    # the kernel assumes 16-byte aligned weights (a fresh copy is); outputs are fresh allocations
+    weights = [w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
+               for w in weights]
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
     if m == 0 or k == 0:
         return [o.zero_() for o in outs]
@@ -93,11 +102,9 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
     args = []
-    for g in range(MAX_WEIGHTS):  # unused slots: x as a pointer nobody reads, an empty tile range
-        w, o = (weights[g], outs[g]) if g < len(weights) else (x, x)
-        n = w.shape[0] if g < len(weights) else 0
-        args += [w, o, n, firsts[min(g, len(weights))]]
-    _linears_kernel[(firsts[-1],)](x, m, k, x.stride(0), *args, firsts[-1], G=len(weights),
+    for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
+        args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, firsts[-1]]
+    _linears_kernel[(firsts[-1],)](x, m, k, x.stride(0), *args, G=len(weights),
                                    M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
                                    num_warps=warps, num_stages=stages)
     return outs

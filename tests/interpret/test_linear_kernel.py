@@ -35,9 +35,12 @@ def test_kernel_matches_mm(device, dtype, m, rows):
         _close(out, x @ w.T)
 
 
-def test_default_config_strided_x_and_no_rows(device):
+def test_default_config_strided_x_unaligned_weight_and_no_rows(device):
+    """x strided along K; a weight that is a contiguous view 2 bytes past an aligned address (the
+    launcher copies it: the kernel assumes 16-byte aligned weights); no rows."""
     x = torch.randn(3, 144, device=device).to(torch.float16)[:, ::2]
-    weights = [torch.randn(n, 72, device=device).to(torch.float16) for n in (100, 7)]
+    unaligned = torch.randn(7 * 72 + 1, device=device).to(torch.float16)[1:].view(7, 72)
+    weights = [torch.randn(100, 72, device=device).to(torch.float16), unaligned]
     for out, w in zip(kernels.launch_linears(x, weights), weights):
         _close(out, x @ w.T)
     empty = kernels.launch_linears(x[:0], weights)
