@@ -39,7 +39,7 @@ from dsv4_compile.evaluate.inputs import builtin_model
 from dsv4_compile.evaluate.run import COMPILED
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import header
+from dsv4_compile.testing.bench import header, wall_call
 
 WAYS = ("eager", "compiled", "package")
 
@@ -86,17 +86,9 @@ def time_steps(model, step_fn, mode: ForwardMode, rows: list[int], per_row: int,
         step = _step(model, mode, rows, per_row)
         ids = torch.zeros(step.num_tokens, dtype=torch.int64, device=device)
         logit_rows = torch.arange(max(2, len(rows)), device=device) % step.num_tokens
-        _synchronize(device)
-        start = time.perf_counter()
-        logits = step_fn(ids, step, logit_rows)
-        _synchronize(device)
-        times.append(1e3 * (time.perf_counter() - start))
+        logits, seconds = wall_call(lambda: step_fn(ids, step, logit_rows), device)
+        times.append(1e3 * seconds)
     return times, logits.clone()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def measure(model, step_fn, args) -> dict:

@@ -73,7 +73,7 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps
+from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps, wall_call
 from dsv4_compile.testing.random_model import random_hf_model
 
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", "compiled_fused_linears", "compiled_lean")
@@ -195,16 +195,6 @@ def elapsed_ms(fn: Callable[[], object], device: torch.device) -> float:
     end.record()
     end.synchronize()
     return start.elapsed_time(end)
-
-
-def wall_s(fn: Callable[[], object], device: torch.device) -> float:
-    """Wall seconds of ``fn()`` including the device work it queued."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    sync()
-    start = time.perf_counter()
-    fn()
-    sync()
-    return time.perf_counter() - start
 
 
 # -- transformers eager ----------------------------------------------------------------------------
@@ -337,13 +327,13 @@ def compile_probe(args) -> dict[str, float]:
     fn = compile_step(backend, mode="reduce-overhead")
     tokens = prompts(model.config, 2, args.prompt_len, args.seed, device)
     first, inputs = prefill_inputs(backend, tokens[:1])
-    times = {"prefill_b1": wall_s(lambda: fn(*inputs), device)}
+    times = {"prefill_b1": wall_call(lambda: fn(*inputs), device)[1]}
     step = decode_steps(backend, first, 1)[0]
-    times["decode_b1"] = wall_s(lambda: fn(tokens[0, :1], step, logit_rows([0], device)), device)
+    times["decode_b1"] = wall_call(lambda: fn(tokens[0, :1], step, logit_rows([0], device)), device)[1]
     second, inputs = prefill_inputs(backend, tokens[1:])
     fn(*inputs)  # the prefill frame again
     step = decode_steps(backend, first + second, 1)[0]
-    times["decode_b2"] = wall_s(lambda: fn(tokens[:, 0], step, logit_rows([0, 1], device)), device)
+    times["decode_b2"] = wall_call(lambda: fn(tokens[:, 0], step, logit_rows([0, 1], device)), device)[1]
     times["total"] = sum(times.values())
     return times
 

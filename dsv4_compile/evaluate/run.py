@@ -24,6 +24,7 @@ from tqdm import tqdm
 from ..compile import compile_step
 from ..model import ModelBackend, enable
 from ..runner import ModelRunner
+from ..testing.bench import wall_call
 
 # How a compiled step is compiled. On a GPU: Inductor with CUDA graphs (compile_step's default).
 # On a CPU: Dynamo's graph on the eager backend. The CPU kernels are the reference ops, which
@@ -99,20 +100,11 @@ def timed_after(warmup: Callable[[], object], loop: Callable[[], object], device
     """Run ``warmup()``, then ``loop()``, whose work runs on ``device``; the loop's result and the
     :class:`Timing`."""
     with _CompileClock() as clock:
-        start = time.perf_counter()
-        warmup()
-        warmup_s, warm_compile_s = _synced_since(device, start), clock.seconds
-        frames = counters["frames"]["total"]
-        start = time.perf_counter()
-        result = loop()
-        loop_s = _synced_since(device, start) - (clock.seconds - warm_compile_s)
+        _, warmup_s = wall_call(warmup, device)
+        warm_compile_s, frames = clock.seconds, counters["frames"]["total"]
+        result, loop_s = wall_call(loop, device)
+        loop_s -= clock.seconds - warm_compile_s
     return result, Timing(warmup_s, clock.seconds, loop_s, frames)
-
-
-def _synced_since(device: torch.device, start: float) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def quiet_libraries() -> None:

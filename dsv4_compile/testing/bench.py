@@ -9,6 +9,8 @@ reported, so graph-launch overhead is amortised as inside a full-step graph.
 
 Profiling (:func:`profile_steps`): where a step's time goes — wall time, GPU busy time and kernel
 launches per step, and the kernels that take most of it.
+
+Wall time (:func:`wall_call`): a call's wall seconds with the device work it queued.
 """
 
 from __future__ import annotations
@@ -45,6 +47,17 @@ class Case:
     family: str = ""
     notes: str = ""
     extra: dict = field(default_factory=dict)
+
+
+def wall_call(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    """``(fn(), wall seconds)``: on CUDA the device is synchronised before the clock starts and
+    before it stops, so the seconds include the work ``fn`` queued."""
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    return result, time.perf_counter() - start
 
 
 def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[[], object] | None = None
