@@ -95,12 +95,12 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
     weights = [w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
                for w in weights]
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
-    if m == 0 or k == 0:
-        return [o.zero_() for o in outs]
     block_n, block_k, warps, stages = config
     firsts = [0]
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
+    if m == 0 or k == 0 or firsts[-1] == 0:  # nothing to read (an empty K sums to 0)
+        return [o.zero_() for o in outs]
     args = []
     for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
         args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, firsts[-1]]
