@@ -41,15 +41,16 @@ class FuseSharedInputLinearsPass(DSV4InductorPass):
         self.devices = tuple(devices)
 
     def apply(self, graph: torch.fx.Graph) -> int:
-        by_input: dict[object, list[torch.fx.Node]] = defaultdict(list)
+        by_input: dict[object, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)  # (mm, w)
         order = {node: i for i, node in enumerate(graph.nodes)}
         for mm in sorted(graph.find_nodes(op="call_function", target=_aten.mm.default), key=order.__getitem__):
-            if self._weight_of(mm) is not None:
-                by_input[_input_key(mm.args[0])].append(mm)
+            if (w := self._weight_of(mm)) is not None:
+                by_input[_input_key(mm.args[0])].append((mm, w))
         matches = 0
-        for mms in by_input.values():
-            if len(mms) >= 2:  # the first product's x is defined before every product of the group
-                _replace(graph, mms[0].args[0], mms, [self._weight_of(mm) for mm in mms])
+        for group in by_input.values():
+            if len(group) >= 2:  # the first product's x is defined before every product of the group
+                mms, weights = map(list, zip(*group))
+                _replace(graph, mms[0].args[0], mms, weights)
                 matches += 1
         return matches
 

@@ -27,10 +27,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .primitives import DOT_MIN_ROWS
+
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
 # GEMM, which the grouped path does better. Every program holds all slots as its tile's rows.
 MAX_SLOTS = 64
-_MIN_ROWS = 16  # tl.dot's smallest M
 
 
 @triton.jit
@@ -132,7 +133,7 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
     if s == 0:
         return out
     h = torch.empty(s, inter, dtype=x.dtype, device=x.device)
-    s_pad = max(_MIN_ROWS, triton.next_power_of_2(s))
+    s_pad = max(DOT_MIN_ROWS, triton.next_power_of_2(s))
     bn, bk, warps, stages = gate_up_config
     _gate_up_kernel[(num_experts, triton.cdiv(inter, bn))](
         x, ids, gate_up, h, s, num_experts, topk, hidden, inter, float(limit),

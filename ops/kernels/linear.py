@@ -20,7 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_ROWS = 16  # rows of x up to which the kernel runs (tl.dot's smallest M); more rows are a GEMM
+from .primitives import DOT_MIN_ROWS
+
+MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
 MAX_WEIGHTS = 8
 # (BLOCK_N, BLOCK_K, num_warps, num_stages): rows of a weight per program, K per step. Untuned:
 # the experts kernels' best tile for a handful of streaming programs (docs/perf-log.md).

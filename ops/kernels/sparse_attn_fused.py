@@ -29,8 +29,8 @@ import triton.language as tl
 
 from ... import layout
 from .host import INTERPRET
-from .primitives import (DIM, LOG2E, NOPE, ROPE, dequant_nope, finish_rows, gather_entries, load_rope,
-                         row_key_counts, scale_word, softmax_rescale)
+from .primitives import (DIM, DOT_MIN_ROWS, LOG2E, NOPE, ROPE, dequant_nope, finish_rows, gather_entries,
+                         load_rope, row_key_counts, scale_word, softmax_rescale)
 from .sparse_attn_args import row_kernel_args
 from .sparse_attn_combine import Partials, finish_partial_rows, partial_index, split_count
 
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from ...attention import KVSet
 
 MAX_HEAD_BLOCK = 64  # an fp32 [64, 512] accumulator already fills half the register file
-MIN_HEAD_BLOCK = 16  # smallest tl.dot tile
+MIN_HEAD_BLOCK = DOT_MIN_ROWS  # heads of a program: at least one tl.dot tile of rows
 # Column groups of a key: nope [0, 4 tiles), [4, 6), [6, 7) tiles, then rope. Each nope group is
 # a whole number of 64-wide scale tiles whose scale bytes lie in one 4-byte word of the entry's
 # scales (group 0: bytes 0-3, groups 1 and 2: bytes 4-7).
