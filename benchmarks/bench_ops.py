@@ -302,7 +302,7 @@ def experts_cases(args) -> list[Case]:
             ids = torch.rand(b, num_experts, generator=gen, device=args.device).argsort(dim=1)[:, :topk]
             reached = ids.unique().numel()
 
-            def over_layers(fn, x=x, ids=ids):
+            def over_layers(fn, x=x, ids=ids, weights=weights):  # bound now: the loops rebind them
                 return [fn(x, ids, gate_up, down, 10.0) for gate_up, down in weights]
 
             cases.append(Case("routed_experts", {"b": b, "experts": num_experts, "topk": topk, "layers": layers},

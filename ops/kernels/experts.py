@@ -6,17 +6,20 @@ launches that together read the active experts at well under HBM bandwidth (on t
 for a b = 1 step of the 4-layer benchmark model whose active experts' bytes need 84 µs). Here two
 launches do the whole layer, with no sort:
 
-* ``_gate_up_kernel``, grid ``(E, cdiv(I, BLOCK_N))``: program ``(e, n)`` streams rows
-  ``[n * BLOCK_N, +BLOCK_N)`` of expert ``e``'s gate and up weights once and multiplies them with
-  every slot routed to ``e`` (all ``S`` slots form the tile's rows, those of other experts masked
-  out: at S <= :data:`MAX_SLOTS` the wasted tensor-core work costs nothing beside the weight
-  bytes), then applies the SwiGLU and writes those slots' hidden columns.
-* ``_down_kernel``, grid ``(E, cdiv(H, BLOCK_N))``: the same over ``down`` for the hidden
-  activations, writing each slot's output row.
+* ``_gate_up_kernel``, grid ``(min(E, S), cdiv(I, BLOCK_N))``: program ``(i, n)`` takes the
+  ``i``-th distinct expert ``e`` the slots name (in slot order), streams rows
+  ``[n * BLOCK_N, +BLOCK_N)`` of its gate and up weights once and multiplies them with every slot
+  routed to ``e`` (all ``S`` slots form the tile's rows, those of other experts masked out: at
+  S <= :data:`MAX_SLOTS` the wasted tensor-core work costs nothing beside the weight bytes), then
+  applies the SwiGLU and writes those slots' hidden columns.
+* ``_down_kernel``, the same grid over ``down`` for the hidden activations, writing each slot's
+  output row.
 
-A program whose expert no slot names reads nothing (its loop runs zero times), so a layer reads
-only its active experts. Every slot's row is written by exactly one program: its expert's, or the
-``e = 0`` programs for an id outside ``[0, E)`` (zeros). Rounding follows the reference
+The grid has one row of programs per expert the slots can reach, not per expert of the layer: a
+model of 256 experts launches 6 rows at one token, not 256 of which 250 would start only to exit.
+A program whose ``i`` is past the distinct experts reads nothing (its loop runs zero times), so a
+layer reads only its active experts. Every slot's row is written by exactly one program: its
+expert's, or the ``i = 0`` programs for an id outside ``[0, E)`` (zeros). Rounding follows the reference
 (``dsv4_compile/reference/experts.py``): fp32 accumulation, the activations' dtype at each of
 transformers' rounding points.
 """
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import DOT_MIN_ROWS
+from .primitives import DOT_MIN_ROWS, TileConfig
 
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
 # GEMM, which the grouped path does better. Every program holds all slots as its tile's rows.
@@ -35,21 +38,29 @@ MAX_SLOTS = 64
 
 
 @triton.jit
-def _slot_rows(ids_ptr, S, E, e, S_PAD: tl.constexpr):
-    """The slots (``[S_PAD]``) and which of them expert ``e`` serves; the id of a padding slot is -1."""
+def _slot_rows(ids_ptr, S, E, S_PAD: tl.constexpr):
+    """The slots (``[S_PAD]``, padding id -1), the expert ``e`` of program ``program_id(0) = i``
+    (the ``i``-th distinct id in ``[0, E)`` in slot order, -1 past the last) and which slots it serves."""
     slots = tl.arange(0, S_PAD)
     ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
-    return slots, ids, ids == e
+    owned = (ids >= 0) & (ids < E)
+    # a slot is its id's first when no earlier slot holds the same id
+    earlier_same = (ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])
+    first = owned & (tl.max(earlier_same.to(tl.int32), axis=1) == 0)
+    rank = tl.cumsum(first.to(tl.int32), axis=0) - 1  # of a first slot: how many distinct ids precede it
+    e = tl.max(tl.where(first & (rank == tl.program_id(0)), ids, -1), axis=0)
+    return slots, ids, e, owned & (ids == e)
 
 
 @triton.jit
 def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, S, E, TOPK, H, I, limit,
                     stride_x, stride_we, stride_wn, stride_h,
                     S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of expert ``e``."""
-    e = tl.program_id(0)
-    slots, ids, hit = _slot_rows(ids_ptr, S, E, e, S_PAD)
-    k_end = tl.where(tl.max(hit.to(tl.int32), axis=0) > 0, H, 0)  # no slot of e: read nothing
+    """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
+    program ``i``'s expert ``e``."""
+    slots, ids, e, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    k_end = tl.where(e >= 0, H, 0)  # past the distinct experts: read nothing
+    e = tl.maximum(e, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     x_rows = x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x
@@ -79,11 +90,11 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, S, E, TOPK, H, I, limit,
 def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, S, E, H, I,
                  stride_h, stride_we, stride_wn, stride_out,
                  S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``e = 0``
+    """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``i = 0``
     programs also write zeros for slots whose id is outside ``[0, E)``."""
-    e = tl.program_id(0)
-    slots, ids, hit = _slot_rows(ids_ptr, S, E, e, S_PAD)
-    k_end = tl.where(tl.max(hit.to(tl.int32), axis=0) > 0, I, 0)
+    slots, ids, e, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    k_end = tl.where(e >= 0, I, 0)
+    e = tl.maximum(e, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     h_rows = h_ptr + slots.to(tl.int64)[:, None] * stride_h
@@ -95,12 +106,12 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, S, E, H, I,
         h = tl.load(h_rows + ks[None, :], mask=hit[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(h, tl.trans(w), acc)
-    unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (e == 0)
+    unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
     tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=(hit | unowned)[:, None] & col_ok[None, :])
 
 
-# (BLOCK_N, BLOCK_K, num_warps, num_stages) of (gate_up, down), by the most experts the slots can
+# The TileConfig of (gate_up, down), by the most experts the slots can
 # reach, min(E, S): with at most two, few programs stream weights and deep K blocks keep more bytes
 # in flight; with more, shallower blocks run more programs at once. The H200's best or within 2 µs
 # of it for each of 2 to 64 slots over 8 experts of 4096 x 2048 and 6 to 48 over 256 (a sweep of
@@ -110,12 +121,9 @@ FEW_EXPERTS_CONFIGS = ((64, 256, 4, 3), (64, 256, 4, 3))
 MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
 
 
-Config = tuple[int, int, int, int]
-
-
 def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                          limit: float, gate_up_config: Config | None = None,
-                          down_config: Config | None = None) -> torch.Tensor:
+                          limit: float, gate_up_config: TileConfig | None = None,
+                          down_config: TileConfig | None = None) -> torch.Tensor:
     """The reference's ``routed_experts`` for ``T * K <= MAX_SLOTS`` slots: ``x [T, H]``,
     ``expert_ids [T, K]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]`` -> ``[T * K, H]`` of ``x``'s dtype.
     The configs are ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; by default those above."""
@@ -124,7 +132,10 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
     if s > MAX_SLOTS:
         raise ValueError(f"launch_routed_experts: {s} slots, the kernels take at most {MAX_SLOTS}")
     num_experts, two_i, hidden = gate_up.shape
-    default = FEW_EXPERTS_CONFIGS if min(num_experts, s) <= FEW_EXPERTS else MANY_EXPERTS_CONFIGS
+    # rows of programs: the distinct experts the slots can name (at least one: its programs write
+    # the zero rows of ids outside the experts)
+    reachable = max(1, min(num_experts, s))
+    default = FEW_EXPERTS_CONFIGS if reachable <= FEW_EXPERTS else MANY_EXPERTS_CONFIGS
     gate_up_config, down_config = gate_up_config or default[0], down_config or default[1]
     inter = two_i // 2
     x, gate_up, down = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, gate_up, down))
@@ -135,12 +146,12 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
     h = torch.empty(s, inter, dtype=x.dtype, device=x.device)
     s_pad = max(DOT_MIN_ROWS, triton.next_power_of_2(s))
     bn, bk, warps, stages = gate_up_config
-    _gate_up_kernel[(num_experts, triton.cdiv(inter, bn))](
+    _gate_up_kernel[(reachable, triton.cdiv(inter, bn))](
         x, ids, gate_up, h, s, num_experts, topk, hidden, inter, float(limit),
         x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
         S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = down_config
-    _down_kernel[(num_experts, triton.cdiv(hidden, bn))](
+    _down_kernel[(reachable, triton.cdiv(hidden, bn))](
         h, ids, down, out, s, num_experts, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)

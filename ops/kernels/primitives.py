@@ -29,6 +29,8 @@ NOPE = tl.constexpr(NOPE_DIM)
 ROPE = tl.constexpr(ROPE_DIM)
 DIM = tl.constexpr(HEAD_DIM)
 DOT_MIN_ROWS = 16  # tl.dot's smallest tile dimension: fewer rows are padded to it
+# a streaming GEMV/GEMM kernel's launch tile: (BLOCK_N, BLOCK_K, num_warps, num_stages)
+TileConfig = tuple[int, int, int, int]
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 assert layout.TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM and ROPE_DIM == layout.FP8_TILE

@@ -2,7 +2,7 @@
 
 Slot counts of one program tile (1, 2, 16 slots) and the largest (MAX_SLOTS), intermediate and
 hidden sizes that leave a partial column tile and a partial K block, ids outside the experts (0 rows),
-an expert no slot names, strided activations. The kernel accumulates in another order than the
+an expert no slot names, more experts than slots, strided activations. The kernel accumulates in another order than the
 reference's GEMMs, so results agree to one rounding of the activations' dtype. The interpreter's
 ``tl.dot`` misreads bf16 tiles (Triton 3.7: values of order 1e10), so there the kernels run fp16
 (their code does not depend on the dtype); on a GPU bf16 as well."""
@@ -55,6 +55,19 @@ def test_unowned_ids_unused_experts_fp16_strided(device):
     got = kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL)
     assert torch.equal(got[[3, 6]], torch.zeros(2, 64, dtype=got.dtype, device=device))
     torch.testing.assert_close(got, ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+
+
+def test_many_experts_few_slots(device):
+    """64 experts, 3 slots naming the highest ids: the grid has a row per slot, not per expert, so
+    each program finds its expert among the slots; every id outside the experts: all rows 0."""
+    gate_up, down = _weights(64, 64, 32, device, torch.float16)
+    x = torch.randn(3, 64, device=device).to(torch.float16)
+    ids = torch.tensor([[63], [40], [63]], device=device)
+    torch.testing.assert_close(kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL),
+                               ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+    bad = torch.tensor([[-1], [64], [99]], device=device)
+    got = kernels.launch_routed_experts(x, bad, gate_up, down, 10.0, *SMALL)
+    assert torch.equal(got, torch.zeros_like(got))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
