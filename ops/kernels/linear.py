@@ -20,13 +20,22 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import DOT_MIN_ROWS
+from .primitives import DOT_MIN_ROWS, TileConfig
 
 MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
 MAX_WEIGHTS = 8
-# (BLOCK_N, BLOCK_K, num_warps, num_stages): rows of a weight per program, K per step. Untuned:
-# the experts kernels' best tile for a handful of streaming programs (docs/perf-log.md).
-CONFIG = (32, 256, 4, 3)
+# TileConfig (BLOCK_N: rows of a weight per program, BLOCK_K: K per step). The H200's
+# best over the benchmark model's fused groups at 1 and 8 rows (a sweep of 36 tiles,
+# docs/perf-log.md): with K of 4096 deep K steps keep the most bytes in flight per program; with K
+# of 1024 (the query latent's products) a program has few K steps, and wider N tiles win.
+DEEP_K = 2048
+DEEP_K_CONFIG = (32, 512, 4, 4)
+SHALLOW_K_CONFIG = (64, 128, 4, 4)
+
+
+def default_config(k: int) -> TileConfig:
+    """The launch tile for ``K = k`` input features."""
+    return DEEP_K_CONFIG if k >= DEEP_K else SHALLOW_K_CONFIG
 
 
 @triton.jit
@@ -82,11 +91,11 @@ def _linears_kernel(x_ptr, M, K, stride_x,
     tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=m_ok[:, None] & row_ok[None, :])
 
 
-def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
-                   config: tuple[int, int, int, int] = CONFIG) -> list[torch.Tensor]:
+def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch: ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit
     stride along K), each ``w [N_g, K]`` contiguous of x's dtype, 1 to :data:`MAX_WEIGHTS` of
-    them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``."""
+    them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, by
+    default :func:`default_config` of K."""
     m, k = x.shape
     if m > MAX_ROWS or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"launch_linears: {m} rows and {len(weights)} weights; the kernel takes at most "
@@ -97,7 +106,7 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor],
     weights = [w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
                for w in weights]
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
-    block_n, block_k, warps, stages = config
+    block_n, block_k, warps, stages = config or default_config(k)
     firsts = [0]
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
