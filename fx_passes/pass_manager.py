@@ -2,11 +2,11 @@
 
 torch 2.11 accepts a single custom pass there, so the manager is that pass and runs its own
 list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidates cached graphs).
-The default list holds the passes measured to pay on the H200 at every step size: the metadata
-fusion, and the Sinkhorn fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token,
-66 -> 39 µs at 64: benchmarks/README.md, "Hyper-connections"). Another list is given by name, e.g.
-``DSV4PassManager([FuseStepMetadataPass()])`` or, with the opt-in linear fusion (not yet timed on
-the H200), ``DSV4PassManager([*default_passes(), FuseSharedInputLinearsPass()])``.
+The default list holds the passes measured to pay on the H200: the metadata fusion, the Sinkhorn
+fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 39 µs at 64:
+benchmarks/README.md, "Hyper-connections") and the shared-input linear fusion (the benchmark
+model's decode step at b = 1: 1,495 -> 1,321 µs, 312 -> 254 kernels). Another list is given by
+name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import hashlib
 import torch
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_shared_input_linears import FuseSharedInputLinearsPass
 from .fuse_sinkhorn import FuseSinkhornPass
 from .fuse_step_metadata import FuseStepMetadataPass
 
 
 def default_passes() -> list[DSV4InductorPass]:
     """A fresh instance of each default pass, in the order they run."""
-    return [FuseStepMetadataPass(), FuseSinkhornPass()]
+    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass()]
 
 
 class DSV4PassManager(DSV4InductorPass):

@@ -7,7 +7,7 @@ import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
+from dsv4_compile.fx_passes import DSV4PassManager, FuseSharedInputLinearsPass, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.metadata_chain import CHAIN_OPS
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.cache_checks import assert_caches_equal
@@ -86,7 +86,9 @@ dsv4.sparse_attn.default""")
         self.assertEqual([op for op in passes.last_ops if op in CHAIN], [])
 
     def test_uuid_tracks_the_pass_list(self):
-        self.assertEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()]).uuid())
+        self.assertEqual(DSV4PassManager().uuid(), DSV4PassManager(
+            [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass()]).uuid())
+        self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([]).uuid())
         with self.assertRaises(TypeError):
