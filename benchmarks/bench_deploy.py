@@ -77,17 +77,21 @@ def _step(model, mode: ForwardMode, rows: list[int], per_row: int) -> StepInputs
                            device=model.cache.device)
 
 
-def time_steps(model, step_fn, mode: ForwardMode, rows: list[int], per_row: int, iters: int
+def time_steps(model, step_fn, mode: ForwardMode, rows: list[int] | None, per_row: int, iters: int
                ) -> tuple[list[float], torch.Tensor]:
     """Wall time (ms) of ``iters`` steps of ``per_row`` tokens for each of ``rows`` (inputs built
-    before the clock starts), and a copy of the last logits (a CUDA-graph replay reuses its output)."""
+    before the clock starts), and a copy of the last logits (a CUDA-graph replay reuses its output).
+    ``rows=None``: each step is a new request's first ``per_row`` tokens (freed after its step)."""
     times, logits, device = [], None, model.cache.device
     for _ in range(iters):
-        step = _step(model, mode, rows, per_row)
+        step_rows = rows if rows is not None else [model.allocator.admit()]
+        step = _step(model, mode, step_rows, per_row)
         ids = torch.zeros(step.num_tokens, dtype=torch.int64, device=device)
-        logit_rows = torch.arange(max(2, len(rows)), device=device) % step.num_tokens
+        logit_rows = torch.arange(max(2, len(step_rows)), device=device) % step.num_tokens
         logits, seconds = wall_call(lambda: step_fn(ids, step, logit_rows), device)
         times.append(1e3 * seconds)
+        if rows is None:
+            model.allocator.free(step_rows[0])
     return times, logits.clone()
 
 
@@ -100,15 +104,24 @@ def measure(model, step_fn, args) -> dict:
         out[f"decode_b{b}"] = {"first_ms": times[0], "median_ms": statistics.median(times[1:]), "logits": logits}
         for row in rows:
             model.allocator.free(row)
-    row = [model.allocator.admit()]
-    times, logits = time_steps(model, step_fn, ForwardMode.EXTEND, row, args.prefill, 1 + max(1, args.iters // 3))
+    times, logits = time_steps(model, step_fn, ForwardMode.EXTEND, None, args.prefill, 1 + max(1, args.iters // 3))
     out[f"prefill_{args.prefill}"] = {"first_ms": times[0], "median_ms": statistics.median(times[1:]), "logits": logits}
-    model.allocator.free(row[0])
     return out
+
+
+def check_args(args) -> None:
+    """Refuse sizes the cache cannot hold before anything is built."""
+    batches = list(map(int, args.batches.split(",")))
+    if max(batches) > args.max_requests:
+        raise SystemExit(f"--batches: {max(batches)} requests, the cache holds --max-requests {args.max_requests}")
+    if args.context + args.iters + 1 > args.max_seq_len or args.prefill > args.max_seq_len:
+        raise SystemExit(f"--context {args.context} + --iters {args.iters} + 1 decode positions and --prefill "
+                         f"{args.prefill} must fit --max-seq-len {args.max_seq_len}")
 
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
+    check_args(args)
     device = torch.device(args.device)
     backend = enable(builtin_model(device, args.seed), max_requests=args.max_requests,
                      max_seq_len=args.max_seq_len)
