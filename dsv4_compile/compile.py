@@ -134,9 +134,12 @@ class CompiledStep:
     def __init__(self, stack: DSV4AttentionStack | ModelBackend, compiled: Callable, device_checks: bool):
         self.stack, self.compiled, self.device_checks = stack, compiled, device_checks
         self._compresses = any(stack.config.compress_ratios)
+        # walking a model's modules for its parameters costs ~1 ms of host time per call in grad
+        # mode; a parameter replaced later changes the frame's guards, and its retrace checks again
+        self._parameters = tuple(stack.parameters())
 
     def __call__(self, x: torch.Tensor, step: StepInputs, *extra: torch.Tensor) -> torch.Tensor:
-        require_inference(self.stack, x)
+        require_inference(self.stack, x, self._parameters)
         if step.mode is ForwardMode.DRAFT_EXTEND and self._compresses:
             raise ValueError("step.mode: DRAFT_EXTEND is for SWA-only (draft) stacks; this stack has "
                              "compressed layers")

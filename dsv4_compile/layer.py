@@ -17,6 +17,7 @@ Model-side math (projections, norms, RoPE) lives in :meth:`DSV4Attention.project
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -246,13 +247,14 @@ def prepare_step(module: nn.Module, cache: DSV4Cache, x: torch.Tensor, step: Ste
     return build_step_metadata(step, cache, cache.config)
 
 
-def require_inference(module: nn.Module, x: torch.Tensor) -> None:
+def require_inference(module: nn.Module, x: torch.Tensor, parameters: Iterable[nn.Parameter] | None = None) -> None:
     """Raise ``RuntimeError`` when a step would be recorded by autograd: grad mode on and ``x`` or
-    a parameter of ``module`` requiring grad. The dsv4:: ops have no backward and a step writes
-    the cache in place, so the library is inference-only. Evaluated eagerly and while tracing (a
-    compiled frame guards on grad mode and on ``requires_grad``, so it costs nothing per call)."""
-    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False)
-                                    or any(p.requires_grad for p in module.parameters())):
+    a parameter of ``module`` (``parameters``, when the caller holds them already) requiring grad.
+    The dsv4:: ops have no backward and a step writes the cache in place, so the library is
+    inference-only. Evaluated eagerly and while tracing (a compiled frame guards on grad mode and
+    on ``requires_grad``, so it costs nothing per call)."""
+    if torch.is_grad_enabled() and (getattr(x, "requires_grad", False) or any(
+            p.requires_grad for p in (module.parameters() if parameters is None else parameters))):
         raise RuntimeError(f"{type(module).__name__} is inference-only (the dsv4:: ops have no backward): "
                            "run steps under torch.no_grad() or torch.inference_mode(), or call "
                            ".requires_grad_(False) on the stack")

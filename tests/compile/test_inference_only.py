@@ -63,3 +63,18 @@ def test_steps_run_without_autograd(engine, context):
     with fresh_compile_state(), (context or torch.enable_grad)():
         out = compile_step(eng.stack, backend=GraphCapture("eager"))(x, step)
     assert out.shape == x.shape and not out.requires_grad and torch.isfinite(out).all()
+
+
+def test_parameter_requiring_grad_after_compile_step_is_refused(engine):
+    """compile_step holds the stack's parameters from when it was built: a parameter switched to
+    ``requires_grad`` later is still refused at the host-side entry, nothing written."""
+    eng, rec = engine
+    eng.stack.requires_grad_(False)
+    x, step = _decode(eng, rec)
+    fn = compile_step(eng.stack, backend=GraphCapture("eager"))
+    next(eng.stack.parameters()).requires_grad_(True)
+    before = snapshot(eng.stack.cache)
+    with fresh_compile_state(), pytest.raises(RuntimeError, match=ADVICE):
+        fn(x, step)
+    after = snapshot(eng.stack.cache)
+    assert all(torch.equal(before[k], after[k]) for k in before)
