@@ -19,9 +19,9 @@ The grid has one row of programs per expert the slots can reach, not per expert 
 model of 256 experts launches 6 rows at one token, not 256 of which 250 would start only to exit.
 A program whose ``i`` is past the distinct experts reads nothing (its loop runs zero times), so a
 layer reads only its active experts. Every slot's row is written by exactly one program: its
-expert's, or the ``i = 0`` programs for an id outside ``[0, E)`` (zeros). Rounding follows the reference
-(``dsv4_compile/reference/experts.py``): fp32 accumulation, the activations' dtype at each of
-transformers' rounding points.
+expert's, or the ``i = 0`` programs for an id outside ``[0, E)`` (zeros). Rounding follows the
+reference (``dsv4_compile/reference/experts.py``): fp32 accumulation, the activations' dtype at
+each of transformers' rounding points.
 """
 
 from __future__ import annotations
