@@ -5,7 +5,7 @@ list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidat
 The default list holds the passes measured to pay on the H200: the metadata fusion, the Sinkhorn
 fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 39 µs at 64:
 benchmarks/README.md, "Hyper-connections") and the shared-input linear fusion (the benchmark
-model's decode step at b = 1: 1,495 -> 1,321 µs, 312 -> 254 kernels). Another list is given by
+model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels). Another list is given by
 name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
