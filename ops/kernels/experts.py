@@ -39,8 +39,10 @@ MAX_SLOTS = 64
 
 @triton.jit
 def _slot_rows(ids_ptr, S, E, S_PAD: tl.constexpr):
-    """The slots (``[S_PAD]``, padding id -1), the expert ``e`` of program ``program_id(0) = i``
-    (the ``i``-th distinct id in ``[0, E)`` in slot order, -1 past the last) and which slots it serves."""
+    """``(slots [S_PAD], ids [S_PAD], e, served, hit [S_PAD])``: the slots and their ids (padding
+    id -1); the expert ``e`` of program ``program_id(0) = i``, the ``i``-th distinct id in
+    ``[0, E)`` in slot order (``served`` False and ``e`` 0 past the last, so that pointers built
+    from ``e`` stay inside the weights); which slots it serves (none when not ``served``)."""
     slots = tl.arange(0, S_PAD)
     ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
     owned = (ids >= 0) & (ids < E)
@@ -49,7 +51,7 @@ def _slot_rows(ids_ptr, S, E, S_PAD: tl.constexpr):
     first = owned & (tl.max(earlier_same.to(tl.int32), axis=1) == 0)
     rank = tl.cumsum(first.to(tl.int32), axis=0) - 1  # of a first slot: how many distinct ids precede it
     e = tl.max(tl.where(first & (rank == tl.program_id(0)), ids, -1), axis=0)
-    return slots, ids, e, owned & (ids == e)
+    return slots, ids, tl.maximum(e, 0), e >= 0, owned & (ids == e)
 
 
 @triton.jit
@@ -58,9 +60,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, S, E, TOPK, H, I, limit,
                     S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
     program ``i``'s expert ``e``."""
-    slots, ids, e, hit = _slot_rows(ids_ptr, S, E, S_PAD)
-    k_end = tl.where(e >= 0, H, 0)  # past the distinct experts: read nothing
-    e = tl.maximum(e, 0)
+    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    k_end = tl.where(served, H, 0)  # past the distinct experts: read nothing
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < I
     x_rows = x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x
@@ -92,9 +93,8 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, S, E, H, I,
                  S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``i = 0``
     programs also write zeros for slots whose id is outside ``[0, E)``."""
-    slots, ids, e, hit = _slot_rows(ids_ptr, S, E, S_PAD)
-    k_end = tl.where(e >= 0, I, 0)
-    e = tl.maximum(e, 0)
+    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    k_end = tl.where(served, I, 0)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     h_rows = h_ptr + slots.to(tl.int64)[:, None] * stride_h
@@ -111,11 +111,11 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, S, E, H, I,
              mask=(hit | unowned)[:, None] & col_ok[None, :])
 
 
-# The TileConfig of (gate_up, down), by the most experts the slots can
-# reach, min(E, S): with at most two, few programs stream weights and deep K blocks keep more bytes
-# in flight; with more, shallower blocks run more programs at once. The H200's best or within 2 µs
-# of it for each of 2 to 64 slots over 8 experts of 4096 x 2048 and 6 to 48 over 256 (a sweep of
-# 36 tiles each, docs/perf-log.md).
+# The TileConfig of (gate_up, down), by the most experts the slots can reach, min(E, S): with at
+# most two, few programs stream weights and deep K blocks keep more bytes in flight; with more,
+# shallower blocks run more programs at once. The H200's best or within 2 µs of it for each of 2
+# to 64 slots over 8 experts of 4096 x 2048 and 6 to 48 over 256 (a sweep of 36 tiles each,
+# docs/perf-log.md).
 FEW_EXPERTS = 2
 FEW_EXPERTS_CONFIGS = ((64, 256, 4, 3), (64, 256, 4, 3))
 MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))

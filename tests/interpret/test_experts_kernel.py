@@ -2,8 +2,8 @@
 
 Slot counts of one program tile (1, 2, 16 slots) and the largest (MAX_SLOTS), intermediate and
 hidden sizes that leave a partial column tile and a partial K block, ids outside the experts (0 rows),
-an expert no slot names, more experts than slots, strided activations. The kernel accumulates in another order than the
-reference's GEMMs, so results agree to one rounding of the activations' dtype. The interpreter's
+an expert no slot names, more experts than slots, strided activations. The kernel accumulates in
+another order than the reference's GEMMs, so results agree to one rounding of the activations' dtype. The interpreter's
 ``tl.dot`` misreads bf16 tiles (Triton 3.7: values of order 1e10), so there the kernels run fp16
 (their code does not depend on the dtype); on a GPU bf16 as well."""
 
