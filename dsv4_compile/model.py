@@ -9,9 +9,10 @@ The model is not modified: its parameters, buffers and checkpoint names stay as 
 tensor parallelism, :mod:`dsv4_compile.parallel`, the sharded ones become DTensors holding the
 rank's slice, under the same names). Each layer's attention runs through
 :class:`~dsv4_compile.hf_layer.HFAttention` (the model's own modules, read through the backend's
-layer protocol); everything else — embedding, hyper-connections, norms, MoE, head — is the model's
-own modules called on the flat token layout ``[1, T, ...]`` (one "batch" row holding every query
-row of the step).
+layer protocol); the hyper-connections run the backend's mHC ops with the model's own parameters
+(:mod:`dsv4_compile.hf_hyper_connection`); everything else — embedding, norms, MoE, head — is the
+model's own modules called on the flat token layout ``[1, T, ...]`` (one "batch" row holding every
+query row of the step).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .allocator import PageAllocator
 from .cache import DSV4Cache
 from .config import DSV4AttnConfig
 from . import hf_experts, hf_generate, model_forward
+from . import hf_hyper_connection as hyper_connection
 from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
 from .runner import ModelRunner
@@ -113,29 +115,23 @@ class ModelBackend(nn.Module):
 def run_decoder(model: nn.Module, embeds: torch.Tensor, input_ids: torch.Tensor, attend: Attend) -> torch.Tensor:
     """The decoder layers of ``model`` on ``embeds [B, S, hidden]`` -> hidden streams
     ``[B, S, hc_mult, hidden]``, with ``attend(layer_index, x [B, S, hidden]) -> [B, S, hidden]`` in
-    place of each layer's attention. Everything else is the model's own modules, composed as
-    ``DeepseekV4DecoderLayer.forward`` composes them (hyper-connection collapse, norm, block,
-    hyper-connection expand and mix, for the attention and for the MoE)."""
+    place of each layer's attention. Everything else is composed as ``DeepseekV4DecoderLayer.forward``
+    composes it (hyper-connection collapse, norm, block, hyper-connection expand and mix, for the
+    attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops."""
     h = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     for i, layer in enumerate(model.model.layers):
-        post, comb, collapsed = layer.attn_hc(h)
-        h = _mix(post, comb, attend(i, layer.input_layernorm(collapsed)), h)
-        post, comb, collapsed = layer.ffn_hc(h)
-        h = _mix(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed), input_ids=input_ids), h)
+        post, comb, collapsed = hyper_connection.pre(layer.attn_hc, h)
+        h = hyper_connection.post(post, comb, attend(i, layer.input_layernorm(collapsed)), h)
+        post, comb, collapsed = hyper_connection.pre(layer.ffn_hc, h)
+        h = hyper_connection.post(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed),
+                                                        input_ids=input_ids), h)
     return h
-
-
-def _mix(post: torch.Tensor, comb: torch.Tensor, block_out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
-    """Hyper-connection output: ``post ⊗ block_out + combᵀ @ streams`` (``[B, S, hc, hidden]``)."""
-    dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2),
-                                                                                 streams)
 
 
 def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
     """Logits ``[B, S, vocab]`` of hidden streams ``[B, S, hc_mult, hidden]``: the model's
     ``hc_head``, final ``norm`` and ``lm_head``."""
-    return model.lm_head(model.model.norm(model.model.hc_head(streams)))
+    return model.lm_head(model.model.norm(hyper_connection.head(model.model.hc_head, streams)))
 
 
 def check_model_inputs(backend, input_ids, step: StepInputs, logit_rows) -> None:

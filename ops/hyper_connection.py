@@ -1,11 +1,15 @@
-"""Manifold-constrained hyper-connections (mHC): ``dsv4::sinkhorn``, the Sinkhorn-Knopp
-normalisation of the comb weights of transformers' ``DeepseekV4HyperConnection``.
+"""Manifold-constrained hyper-connections (mHC) of transformers' DeepSeek V4 model.
 
-The model does not call the op: a compiled step gets it from ``FuseSinkhornPass``
-(``fx_passes/fuse_sinkhorn.py``), which replaces the traced loop of ``2 iters - 1`` normalisations
-(a kernel each) by this op (one kernel on CUDA).
+* ``dsv4::hc_pre``, ``dsv4::hc_post``, ``dsv4::hc_head``: a layer's hyper-connection before its
+  block, the mix after it, the final collapse. The model step calls them with the model's own
+  parameters (``dsv4_compile/hf_hyper_connection.py``); on CUDA they take two launches, one and two,
+  where Inductor runs transformers' code as about ten kernels per hyper-connection.
+* ``dsv4::sinkhorn``: the Sinkhorn-Knopp normalisation of the comb weights alone. Nothing calls it:
+  ``FuseSinkhornPass`` (``fx_passes/fuse_sinkhorn.py``) puts it in place of the traced loop of
+  ``2 iters - 1`` normalisations (a kernel each) where transformers' own hyper-connection code is
+  compiled.
 
-Shape legend: N = hc_mult (streams); ``...`` any leading dims (batch, tokens).
+Shape legend: N = hc_mult (streams), D = hidden; ``...`` any leading dims (batch, tokens).
 """
 
 from __future__ import annotations
@@ -13,11 +17,13 @@ from __future__ import annotations
 import torch
 
 from ..reference import hyper_connection as ref
-from ._checks import check_positive, check_tensor
+from ._checks import check_devices, check_positive, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
     from .kernels import hyper_connection as kernels
+
+_STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_sinkhorn(x, iters, eps) -> None:
@@ -46,3 +52,100 @@ def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     ``iters - 1`` (row, column) pairs, each ``x / (sum + eps)`` (transformers' loop). A new
     contiguous tensor of ``x``'s shape."""
     return ref.sinkhorn(x, iters, eps)
+
+
+def _check_streams(op: str, x: torch.Tensor) -> tuple[int, int]:
+    """``x [..., N, D]`` floating: ``(N, D)``."""
+    check_tensor(op, "x", x, dtypes=_STREAM_DTYPES)
+    if x.dim() < 2:
+        raise ValueError(f"dsv4.{op}: x must be [..., N, D] (streams, hidden), got shape {tuple(x.shape)}")
+    return x.shape[-2], x.shape[-1]
+
+
+def _check_weights(op: str, x, fn, base, scale, mixes: int, scales: int, hc_eps, norm_eps) -> None:
+    n, d = x.shape[-2], x.shape[-1]
+    check_tensor(op, "fn", fn, dtypes=_STREAM_DTYPES, shape=(mixes, n * d), ndim=2)
+    check_tensor(op, "base", base, dtypes=_STREAM_DTYPES, shape=(mixes,), ndim=1)
+    check_tensor(op, "scale", scale, dtypes=_STREAM_DTYPES, shape=(scales,), ndim=1)
+    check_devices(op, x=x, fn=fn, base=base, scale=scale)
+    for name, eps in (("hc_eps", hc_eps), ("norm_eps", norm_eps)):
+        if not eps >= 0:  # NaN included
+            raise ValueError(f"dsv4.{op}: {name}={eps} must be >= 0")
+
+
+def _check_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps) -> None:
+    n, _ = _check_streams("hc_pre", x)
+    _check_weights("hc_pre", x, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
+    check_positive("hc_pre", "iters", iters)
+
+
+def _hc_pre_fake(x, fn, base, scale, iters, hc_eps, norm_eps):
+    lead, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
+    return (x.new_empty((*lead, n), dtype=torch.float32), x.new_empty((*lead, n, n), dtype=torch.float32),
+            x.new_empty((*lead, d)))
+
+
+def _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, norm_eps):
+    if x.shape[-2] > kernels.MAX_HC_N:
+        return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
+    return kernels.launch_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
+
+
+@dsv4_op("hc_pre", check=_check_hc_pre, fake=_hc_pre_fake, cuda=_hc_pre_cuda if HAS_TRITON else None)
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The hyper-connection before a block (transformers' ``DeepseekV4HyperConnection.forward``):
+    streams ``x [..., N, D]``, ``fn [(2 + N) N, N D]``, ``base [(2 + N) N]``, ``scale [3]`` ->
+    ``post [..., N]`` fp32, ``comb [..., N, N]`` fp32 (Sinkhorn-normalised with ``iters`` steps),
+    the block's input ``collapsed [..., D]`` in ``x``'s dtype."""
+    return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
+
+
+def _check_hc_head(x, fn, base, scale, hc_eps, norm_eps) -> None:
+    n, _ = _check_streams("hc_head", x)
+    _check_weights("hc_head", x, fn, base, scale, n, 1, hc_eps, norm_eps)
+
+
+def _hc_head_fake(x, fn, base, scale, hc_eps, norm_eps):
+    return x.new_empty((*x.shape[:-2], x.shape[-1]))
+
+
+def _hc_head_cuda(x, fn, base, scale, hc_eps, norm_eps):
+    if x.shape[-2] > kernels.MAX_HC_N:
+        return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps)
+    return kernels.launch_hc_pre(x, fn, base, scale, 0, hc_eps, norm_eps, head=True)
+
+
+@dsv4_op("hc_head", check=_check_hc_head, fake=_hc_head_fake, cuda=_hc_head_cuda if HAS_TRITON else None)
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """The final collapse of the streams (transformers' ``DeepseekV4HyperHead.forward``):
+    ``x [..., N, D]``, ``fn [N, N D]``, ``base [N]``, ``scale [1]`` -> ``[..., D]`` in ``x``'s dtype."""
+    return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps)
+
+
+def _check_hc_post(post, comb, out, streams) -> None:
+    n, d = _check_streams("hc_post", streams)
+    lead = tuple(streams.shape[:-2])
+    check_tensor("hc_post", "post", post, dtypes=_STREAM_DTYPES, shape=(*lead, n), ndim=len(lead) + 1)
+    check_tensor("hc_post", "comb", comb, dtypes=_STREAM_DTYPES, shape=(*lead, n, n), ndim=len(lead) + 2)
+    check_tensor("hc_post", "out", out, dtypes=(streams.dtype,), shape=(*lead, d), ndim=len(lead) + 1)
+    check_devices("hc_post", streams=streams, post=post, comb=comb, out=out)
+
+
+def _hc_post_fake(post, comb, out, streams):
+    return streams.new_empty(streams.shape)
+
+
+def _hc_post_cuda(post, comb, out, streams):
+    if streams.shape[-2] > kernels.MAX_HC_N:
+        return ref.hc_post(post, comb, out, streams)
+    return kernels.launch_hc_post(post, comb, out, streams)
+
+
+@dsv4_op("hc_post", check=_check_hc_post, fake=_hc_post_fake, cuda=_hc_post_cuda if HAS_TRITON else None)
+def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """The hyper-connection after a block (the decoder layer's mix): ``post [..., N]``,
+    ``comb [..., N, N]``, the block's ``out [..., D]``, ``streams [..., N, D]`` -> the next streams
+    ``post ⊗ out + combᵀ @ streams`` ``[..., N, D]`` in ``streams``' dtype (a new tensor)."""
+    return ref.hc_post(post, comb, out, streams)

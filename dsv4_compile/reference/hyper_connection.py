@@ -1,8 +1,18 @@
-"""Manifold-constrained hyper-connections (mHC): the Sinkhorn-Knopp normalisation of the comb
-weights — reference.
+"""Manifold-constrained hyper-connections (mHC) — reference: transformers'
+``DeepseekV4HyperConnection`` / ``DeepseekV4HyperHead`` and the decoder layer's mix, op for op.
 
-transformers' ``DeepseekV4HyperConnection.forward`` makes its comb weights ``[..., N, N]`` fp32
-(N = ``hc_mult`` streams) nearly doubly stochastic with ``iters`` (``hc_sinkhorn_iters``) steps::
+Shape legend: N = ``hc_mult`` streams, D = hidden, M = ``(2 + N) N`` mix weights of a layer's
+hyper-connection (``pre`` N, ``post`` N, ``comb`` N x N), ``...`` any leading dims (batch, tokens).
+
+* :func:`hc_pre`: the hyper-connection before a block. The streams ``x [..., N, D]``, flattened,
+  RMS-normalised (no weight) and projected by ``fn [M, N D]`` fp32, give the mix weights; ``pre``
+  collapses the streams into the block's input, ``post`` and ``comb`` go to :func:`hc_post`.
+  ``comb`` is made nearly doubly stochastic by :func:`sinkhorn`.
+* :func:`hc_post`: the block's output expanded back onto the streams and mixed with them:
+  ``post ⊗ out + combᵀ @ streams``.
+* :func:`hc_head`: the final collapse before the model's norm (``pre`` only, ``fn [N, N D]``).
+
+:func:`sinkhorn` (``iters`` steps)::
 
     comb = comb / (comb.sum(-2, keepdim=True) + eps)      # columns
     repeat iters - 1 times:
@@ -13,6 +23,7 @@ transformers' ``DeepseekV4HyperConnection.forward`` makes its comb weights ``[..
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -24,3 +35,46 @@ def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """``x [..., N, D]`` flattened to ``[..., N D]`` fp32, RMS-normalised, projected by ``fn [M, N D]``:
+    ``[..., M] fp32``."""
+    flat = x.flatten(-2).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    return F.linear(flat, fn.float())
+
+
+def collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum_n pre[..., n] x[..., n, :]``: ``[..., D]`` in ``x``'s dtype (the sum in fp32)."""
+    return (pre.unsqueeze(-1) * x).sum(dim=-2).to(x.dtype)
+
+
+def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x [..., N, D]``, ``fn [M, N D]``, ``base [M]``, ``scale [3]`` -> ``post [..., N]`` fp32,
+    ``comb [..., N, N]`` fp32, ``collapsed [..., D]`` (``x``'s dtype)."""
+    n = x.shape[-2]
+    pre_w, post_w, comb_w = mixes(x, fn, norm_eps).split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = scale.unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w * comb_scale + comb_b.view(n, n), dim=-1) + hc_eps
+    return post, sinkhorn(comb, iters, hc_eps), collapse(pre, x)
+
+
+def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+            norm_eps: float) -> torch.Tensor:
+    """``x [..., N, D]``, ``fn [N, N D]``, ``base [N]``, ``scale [1]`` -> ``[..., D]`` (``x``'s dtype)."""
+    pre = torch.sigmoid(mixes(x, fn, norm_eps) * scale.float() + base.float()) + hc_eps
+    return collapse(pre, x)
+
+
+def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``post [..., N]``, ``comb [..., N, N]``, the block's ``out [..., D]``, ``streams [..., N, D]``
+    -> the next streams ``[..., N, D]`` in ``streams``' dtype: ``post ⊗ out + combᵀ @ streams``, the
+    weights rounded to that dtype first (as the decoder layer does)."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)

@@ -1,15 +1,28 @@
-"""Triton kernel of ``dsv4::sinkhorn``: the mHC comb weights' Sinkhorn-Knopp normalisation.
+"""Triton kernels of the mHC ops (``ops/hyper_connection.py``).
 
-``x [..., N, N] fp32`` is seen as ``M`` contiguous ``N x N`` matrices. Each program (one warp for
-N <= 16) loads ``BLOCK_M`` of them as one ``[BLOCK_M, NP, NP]`` tile (NP = N rounded up to a power of two), runs
-every normalisation in registers and stores once: one launch instead of the string of kernels
-Inductor makes of the traced loop (it cannot fuse a reduction over rows with the next one over
-columns).
+``dsv4::sinkhorn``: ``x [..., N, N] fp32`` is seen as ``M`` contiguous ``N x N`` matrices. Each
+program (one warp for N <= 16) loads ``BLOCK_M`` of them as one ``[BLOCK_M, NP, NP]`` tile (NP = N
+rounded up to a power of two), runs every normalisation in registers and stores once: one launch
+instead of the string of kernels Inductor makes of the traced loop (it cannot fuse a reduction over
+rows with the next one over columns).
 
-Numerics: every step is the reference's ``x / (sum + eps)`` with an IEEE division (``div_rn``);
-only the order of the N-term sums may differ from the reference's, so results agree to fp32
-rounding. Padding (rows and columns past N, matrices past M) is loaded as 0 and stays 0, so it
-adds nothing to a sum.
+``dsv4::hc_pre`` / ``dsv4::hc_head``: two launches for what Inductor runs as about ten kernels.
+
+* ``_mix_partial_kernel``: the projection ``x [T, K] @ fn [M, K]ᵀ`` (K = N D) and each token's sum of
+  squares, split over K (``SPLIT`` programs per block of tokens, so a decode step's few tokens still
+  spread the ``M x K`` fp32 weights over the GPU) into fp32 partials ``[SPLIT, T, MP]``. The RMS norm is
+  a per-token factor, so it is applied after the sum: ``(x r) fnᵀ = r (x fnᵀ)``.
+* ``_pre_finish_kernel``: per token, the partials summed; program 0 of a token turns them into
+  ``post``, the softmax of ``comb`` and its Sinkhorn normalisation (one warp, in registers; absent for
+  ``hc_head``); the others each collapse ``BLOCK_D`` columns of the streams with ``pre``.
+
+``dsv4::hc_post``: ``post ⊗ out + combᵀ @ streams`` in one pass over the streams, with the reference's
+roundings (weights, product, matrix product and sum each rounded to the streams' dtype).
+
+Numerics: every Sinkhorn step is the reference's ``x / (sum + eps)`` with an IEEE division
+(``div_rn``); sums (the projection's split-K, the N-term reductions) add in another order than the
+reference's, so results agree to fp32 rounding. Padding (rows and columns past N, matrices past M)
+is loaded as 0 and stays 0, so it adds nothing to a sum.
 """
 
 from __future__ import annotations
@@ -19,12 +32,22 @@ import triton
 import triton.language as tl
 
 MAX_N = 64  # a program holds whole matrices in registers: up to 64 x 64 (hc_mult is 4)
-# Elements of a program's tile: as many matrices as fit in 64 (at least one), one warp up to 256
-# elements. The 2 iters - 1 normalisations are a chain of dependent reductions, so a program is
-# kept small (no cross-warp reduction for N <= 16) and M is spread over programs (on the H200:
+# hc_pre / hc_post hold a token's N x N comb and N streams of BLOCK_D columns in one program.
+MAX_HC_N = 16
+# Elements of a Sinkhorn program's tile: as many matrices as fit in 64 (at least one), one warp up
+# to 256 elements. The 2 iters - 1 normalisations are a chain of dependent reductions, so a program
+# is kept small (no cross-warp reduction for N <= 16) and M is spread over programs (on the H200:
 # 3.5 µs for one 4 x 4 matrix, against 41 µs for Inductor's 39 kernels).
 _TILE_ELEMS = 64
 _WARP_ELEMS = 256
+# Projection partials: a program's [BLOCK_T, MP, BLOCK_K] product tile holds _PRODUCT_ELEMS / MP
+# (token, k) pairs; about _MIX_PROGRAMS programs in all (four per SM of an H200), at most
+# _MAX_SPLIT splits of K (the finishing kernel sums them in one tile).
+_PRODUCT_ELEMS = 8192
+_MIX_PROGRAMS = 512
+_MAX_SPLIT = 64
+_MAX_BLOCK_T = 8
+_BLOCK_D = 512  # streams' columns per collapse / hc_post program
 
 
 @triton.jit
@@ -34,21 +57,27 @@ def _normalise(x, s, eps, mask):
 
 
 @triton.jit
+def _sinkhorn_tile(x, iters, eps, mask):
+    """A ``[B, NP, NP]`` tile of matrices (padding 0, ``mask`` true inside): a column
+    normalisation, then ``iters - 1`` (row, column) pairs."""
+    x = _normalise(x, tl.sum(x, axis=1, keep_dims=True), eps, mask)
+    for _ in range(iters - 1):
+        x = _normalise(x, tl.sum(x, axis=2, keep_dims=True), eps, mask)
+        x = _normalise(x, tl.sum(x, axis=1, keep_dims=True), eps, mask)
+    return x
+
+
+@triton.jit
 def _sinkhorn_kernel(x_ptr, out_ptr, M, iters, eps, N: tl.constexpr, NP: tl.constexpr,
                      BLOCK_M: tl.constexpr):
-    """Matrices ``[pid * BLOCK_M, (pid + 1) * BLOCK_M)`` of ``x [M, N, N]`` -> ``out``: a column
-    normalisation, then ``iters - 1`` (row, column) pairs."""
+    """Matrices ``[pid * BLOCK_M, (pid + 1) * BLOCK_M)`` of ``x [M, N, N]`` -> ``out``."""
     m = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # int64: M * N * N may pass 2**31
     r = tl.arange(0, NP)
     row, col = r[None, :, None], r[None, None, :]
     mask = (m[:, None, None] < M) & (row < N) & (col < N)
     offs = m[:, None, None] * (N * N) + row * N + col
     x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-    x = _normalise(x, tl.sum(x, axis=1, keep_dims=True), eps, mask)
-    for _ in range(iters - 1):
-        x = _normalise(x, tl.sum(x, axis=2, keep_dims=True), eps, mask)
-        x = _normalise(x, tl.sum(x, axis=1, keep_dims=True), eps, mask)
-    tl.store(out_ptr + offs, x, mask=mask)
+    tl.store(out_ptr + offs, _sinkhorn_tile(x, iters, eps, mask), mask=mask)
 
 
 def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -66,3 +95,146 @@ def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     _sinkhorn_kernel[(triton.cdiv(m, block_m),)](x, out, m, iters, eps, N=n, NP=np2, BLOCK_M=block_m,
                                                  num_warps=num_warps)
     return out
+
+
+@triton.jit
+def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
+                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
+    """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)``) of tokens
+    ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] = sum_k x[t, k] fn[m, k]`` and
+    ``sq[s, t] = sum_k x[t, k]²``, fp32."""
+    s = tl.program_id(1)
+    t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    m = tl.arange(0, MP)
+    t_ok, m_ok = t < T, m < M
+    acc = tl.zeros([BLOCK_T, MP], tl.float32)
+    sq = tl.zeros([BLOCK_T], tl.float32)
+    k_start = s * k_per_split
+    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        xv = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                     other=0.0).to(tl.float32)
+        w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
+        sq += tl.sum(xv * xv, axis=1)
+    row = (s * T + t).to(tl.int64)
+    tl.store(dots_ptr + row[:, None] * MP + m[None, :], acc, mask=t_ok[:, None])
+    tl.store(sq_ptr + row, sq, mask=t_ok)
+
+
+@triton.jit
+def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
+                       T, D, SPLIT, inv_k, iters, hc_eps, norm_eps,
+                       N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
+    """Token ``t = pid(0)``: the partials of its ``SPLIT`` splits summed and scaled by the RMS
+    factor; part ``pid(1)`` 0 (not for ``HEAD``) writes ``post [T, N]`` and ``comb [T, N, N]``, every
+    other part ``BLOCK_D`` columns of ``out [T, D]``."""
+    t = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    s = tl.arange(0, SP)
+    s_ok = s < SPLIT
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    rows = (s * T + t) * MP  # [SP]: each split's partials of this token
+    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
+    r = 1.0 / tl.sqrt_rn(sq * inv_k + norm_eps)
+    if not HEAD:
+        if part == 0:
+            post_mix = tl.sum(tl.load(dots_ptr + rows[:, None] + N + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                                      other=0.0), axis=0) * r
+            post = 2 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
+            tl.store(post_ptr + t * N + n, post, mask=n_ok)
+            i, j = n[:, None], n[None, :]
+            ij_ok = (i < N) & (j < N)
+            ij = 2 * N + i * N + j
+            comb_mix = tl.sum(tl.load(dots_ptr + rows[:, None, None] + ij[None, :, :],
+                                      mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), axis=0) * r
+            # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
+            logits = tl.where(ij_ok, comb_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=ij_ok, other=0.0),
+                              -3.0e38)
+            e = tl.exp(logits - tl.max(logits, axis=1, keep_dims=True))
+            comb = tl.where(ij_ok, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, 0.0)
+            comb = _sinkhorn_tile(comb[None, :, :], iters, hc_eps, ij_ok[None, :, :])
+            tl.store(comb_ptr + t * (N * N) + (i * N + j)[None, :, :], comb, mask=ij_ok[None, :, :])
+    d_part = part if HEAD else part - 1
+    if d_part >= 0:
+        pre_mix = tl.sum(tl.load(dots_ptr + rows[:, None] + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                                 other=0.0), axis=0) * r
+        pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)) + hc_eps
+        d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_ok = d < D
+        xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        collapsed = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0)  # padding streams load as 0
+        tl.store(out_ptr + t * D + d, collapsed.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                  hc_eps: float, norm_eps: float, head: bool = False):
+    """``x [..., N, D]`` (N <= :data:`MAX_HC_N`), ``fn [M, N D]``, ``base [M]``, ``scale`` as
+    ``dsv4::hc_pre`` (``head=False``: returns ``post, comb, collapsed``) or ``dsv4::hc_head``
+    (``head=True``: returns ``collapsed``)."""
+    n, d = x.shape[-2:]
+    lead = x.shape[:-2]
+    xs = x.contiguous().view(-1, n * d)
+    fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
+    tokens, k, m = xs.shape[0], n * d, fn.shape[0]
+    post = x.new_empty((*lead, n), dtype=torch.float32)
+    comb = x.new_empty((*lead, n, n), dtype=torch.float32)
+    out = x.new_empty((*lead, d))
+    if tokens:
+        mp = triton.next_power_of_2(m)
+        block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(tokens))
+        block_k = max(16, _PRODUCT_ELEMS // (mp * block_t))
+        t_blocks = triton.cdiv(tokens, block_t)
+        split = max(1, min(_MAX_SPLIT, triton.cdiv(k, block_k), _MIX_PROGRAMS // t_blocks))
+        k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+        split = triton.cdiv(k, k_per_split)
+        dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
+        sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
+        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, tokens, k, m, k_per_split, BLOCK_T=block_t,
+                                               BLOCK_K=block_k, MP=mp)
+        parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
+        _pre_finish_kernel[(tokens, parts)](xs, dots, sq, base, scale, post, comb, out, tokens, d, split, 1.0 / k,
+                                            iters, hc_eps, norm_eps, N=n, NP=triton.next_power_of_2(n), MP=mp,
+                                            SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D, HEAD=head,
+                                            num_warps=1)
+    return out if head else (post, comb, out)
+
+
+@triton.jit
+def _post_kernel(post_ptr, comb_ptr, out_ptr, streams_ptr, new_ptr, D, N: tl.constexpr, NP: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
+    """Token ``pid(0)``, columns ``[pid(1) BLOCK_D, +BLOCK_D)``:
+    ``new[k, :] = post[k] out + sum_j comb[j, k] streams[j, :]``, rounded as the reference rounds."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    dt = new_ptr.dtype.element_ty
+    post = tl.load(post_ptr + t * N + n, mask=n_ok, other=0.0).to(dt).to(tl.float32)
+    comb = tl.load(comb_ptr + t * (N * N) + n[:, None] * N + n[None, :], mask=n_ok[:, None] & n_ok[None, :],
+                   other=0.0).to(dt).to(tl.float32)  # [j, k]
+    offs = (t * N + n[:, None]) * D + d[None, :]
+    mask = n_ok[:, None] & d_ok[None, :]
+    streams = tl.load(streams_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [j, BLOCK_D]
+    block_out = tl.load(out_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * streams[:, None, :], axis=0).to(dt).to(tl.float32)  # [k, BLOCK_D]
+    expanded = (post[:, None] * block_out[None, :]).to(dt).to(tl.float32)
+    tl.store(new_ptr + offs, (expanded + mixed).to(dt), mask=mask)
+
+
+def launch_hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
+    """``dsv4::hc_post``: ``post [..., N]``, ``comb [..., N, N]``, ``out [..., D]``, ``streams [..., N, D]``
+    (N <= :data:`MAX_HC_N`) -> a new contiguous ``[..., N, D]`` in ``streams``' dtype."""
+    n, d = streams.shape[-2:]
+    streams = streams.contiguous()
+    new = torch.empty_like(streams)
+    tokens = streams.numel() // (n * d) if n * d else 0
+    if tokens:
+        _post_kernel[(tokens, triton.cdiv(d, _BLOCK_D))](post.contiguous(), comb.contiguous(), out.contiguous(),
+                                                         streams, new, d, N=n, NP=triton.next_power_of_2(n),
+                                                         BLOCK_D=_BLOCK_D)
+    return new

@@ -1,11 +1,13 @@
-"""``dsv4::sinkhorn`` on the GPU (the Triton kernel registered in ``ops/hyper_connection.py``)
-against its reference on the same device, and a hyper-connection of the Flash width compiled by
-Inductor with the dsv4 passes: the loop becomes the op, the results stay those of eager."""
+"""The mHC ops on the GPU (the Triton kernels registered in ``ops/hyper_connection.py``) against
+their references on the same device at the Flash width (hidden 4096, 4 streams, fp32 weights as
+``from_pretrained`` keeps them, bf16 streams), and a hyper-connection of that width compiled by
+Inductor with the dsv4 passes: the Sinkhorn loop becomes the op, the results stay those of eager."""
 
 import pytest
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
 
+from dsv4_compile import hf_hyper_connection as hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass
 from dsv4_compile.reference import hyper_connection as ref
 from tests.support.compile_checks import fresh_compile_state
@@ -53,3 +55,43 @@ def test_compiled_hyper_connection_runs_the_op():
         scale = want.float().abs().max().item()
         bf16_step = 2 ** -8 * scale if want.dtype == torch.bfloat16 else 0.0  # collapsed: one rounding flip
         torch.testing.assert_close(got.float(), want.float(), atol=max(1e-3 * max(1.0, scale), bf16_step), rtol=0)
+
+
+def _flash_width(module):
+    """Weights drawn so the mixes are O(1), as a trained model's are (``fn`` of std 1/sqrt(N D)):
+    random weights of std 0.5 would saturate the sigmoids and softmax and magnify the fp32 rounding
+    of 16,384-term sums beyond any fixed tolerance."""
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=0.5)
+        fn = module.fn if hasattr(module, "fn") else module.hc_fn
+        fn.normal_(std=fn.shape[1] ** -0.5)
+    return module.cuda()
+
+
+def _close_to_one_rounding(got, want):
+    """fp32 outputs within 2e-5 (the split-K sum adds in another order); bf16 outputs within one
+    bf16 rounding step of their largest magnitude."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    else:
+        scale = want.float().abs().max().item() if want.numel() else 0.0
+        torch.testing.assert_close(got.float(), want.float(), atol=2 ** -8 * max(1.0, scale), rtol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 7, 64, 333])
+@torch.no_grad()
+def test_hc_ops_equal_the_modules_at_flash_width(tokens):
+    config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
+    hc, head = _flash_width(DeepseekV4HyperConnection(config)), _flash_width(DeepseekV4HyperHead(config))
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    streams = torch.randn(1, tokens, hc.hc_mult, 4096, device="cuda", generator=g).bfloat16()
+    got, want = hyper_connection.pre(hc, streams), hc(streams)
+    for a, b in zip(got, want, strict=True):
+        _close_to_one_rounding(a, b)
+    _close_to_one_rounding(hyper_connection.head(head, streams), head(streams))
+    post, comb, _ = want
+    block_out = torch.randn(1, tokens, 4096, device="cuda", generator=g).bfloat16()
+    _close_to_one_rounding(hyper_connection.post(post, comb, block_out, streams),
+                           ref.hc_post(post, comb, block_out, streams))

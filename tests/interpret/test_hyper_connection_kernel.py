@@ -1,9 +1,14 @@
-"""The Sinkhorn kernel vs the reference (``ops/kernels/hyper_connection.py``), small shapes.
+"""The mHC kernels vs their references (``ops/kernels/hyper_connection.py``), small shapes.
 
-Matrix counts that fill whole programs (BLOCK_M = 4 matrices of 4 x 4), leave one partly filled, and none,
-N = 4 (hc_mult), N = 3, 5 or 33 (padded to 4, 8 or 64) and N = MAX_N, strided input. The sums may be added in
-another order than the reference's, so results agree to fp32 rounding (atol 1e-6 on values in
-[0, 1]); through ``torch.ops.dsv4`` an N past the kernel's MAX_N runs the reference."""
+Sinkhorn: matrix counts that fill whole programs (BLOCK_M = 4 matrices of 4 x 4), leave one partly
+filled, and none, N = 4 (hc_mult), N = 3, 5 or 33 (padded to 4, 8 or 64) and N = MAX_N, strided
+input. The sums may be added in another order than the reference's, so results agree to fp32
+rounding (atol 1e-6 on values in [0, 1]); through ``torch.ops.dsv4`` an N past the kernel's MAX_N
+runs the reference.
+
+hc_pre / hc_head / hc_post: token counts filling whole token blocks, a partial one and none, N = 4
+and 3, column counts that are and are not multiples of the column block.
+"""
 
 import pytest
 import torch
@@ -39,3 +44,58 @@ def test_strided_input(device):
 def test_op_on_device(device, n):
     x = _comb((3, n, n), device)
     torch.testing.assert_close(torch.ops.dsv4.sinkhorn(x, 20, 1e-6), ref.sinkhorn(x, 20, 1e-6), atol=ATOL, rtol=0)
+
+
+def _hc_weights(n: int, d: int, mixes: int, scales: int, device, seed=0):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(mixes, n * d, generator=gen, device=device) * 0.3,
+            torch.randn(mixes, generator=gen, device=device) * 0.5,
+            torch.randn(scales, generator=gen, device=device))
+
+
+def _streams(lead, n, d, device, dtype=torch.float16, seed=1):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(*lead, n, d, generator=gen, device=device).to(dtype)
+
+
+def _assert_rounding_close(got, want):
+    """fp32 outputs to 1e-5; outputs in the streams' dtype to one rounding step of their scale
+    (the sums add in another order, which can move a value across a rounding boundary)."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    else:
+        largest = want.float().abs().amax().item() if want.numel() else 0.0
+        step = torch.finfo(want.dtype).eps * max(1.0, largest)
+        torch.testing.assert_close(got.float(), want.float(), atol=step, rtol=0)
+
+
+# tokens filling whole token blocks, a partial one and none; N = 4 (hc_mult) and 3 (padded to 4);
+# D a multiple of the column block and not; fewer columns than one split of K
+@pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 64), ((1, 9), 4, 96), ((2, 3), 3, 40), ((17,), 4, 8), ((0,), 4, 64),
+                                        ((1, 2), 4, 520)])
+@pytest.mark.parametrize("iters", [1, 20])
+def test_hc_pre_matches_reference(device, lead, n, d, iters):
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    x = _streams(lead, n, d, device)
+    got = kernels.launch_hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)
+    for g, w in zip(got, ref.hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)):
+        _assert_rounding_close(g, w)
+
+
+@pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 40), ((0,), 4, 64)])
+def test_hc_head_matches_reference(device, lead, n, d):
+    fn, base, scale = _hc_weights(n, d, n, 1, device)
+    x = _streams(lead, n, d, device)
+    _assert_rounding_close(kernels.launch_hc_pre(x, fn, base, scale, 0, 1e-6, 1e-6, head=True),
+                           ref.hc_head(x, fn, base, scale, 1e-6, 1e-6))
+
+
+@pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 600), ((0,), 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_hc_post_matches_reference(device, lead, n, d, dtype):
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    streams = _streams(lead, n, d, device, dtype)
+    post, comb, _ = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
+    out = _streams(lead, 1, d, device, dtype, seed=2)[..., 0, :]
+    _assert_rounding_close(kernels.launch_hc_post(post, comb, out, streams), ref.hc_post(post, comb, out, streams))

@@ -115,6 +115,22 @@ def test_sinkhorn(x):
     _opcheck(ops.sinkhorn, (x, 20, 1e-6))
 
 
+def _hyper_connection_args(tokens: int) -> dict[str, tuple]:
+    """``hc_pre`` / ``hc_head`` / ``hc_post`` arguments: 4 streams of hidden 64, bf16."""
+    x = torch.randn(1, tokens, 4, 64).bfloat16()
+    fn, base, scale = torch.randn(24, 256) * 0.1, torch.randn(24), torch.randn(3)
+    post, comb, out = ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+    return {"hc_pre": (x, fn, base, scale, 20, 1e-6, 1e-6),
+            "hc_head": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6),
+            "hc_post": (post, comb, out, x)}
+
+
+@pytest.mark.parametrize("tokens", [0, 3])
+@pytest.mark.parametrize("op_name", ["hc_pre", "hc_head", "hc_post"])
+def test_hyper_connection_ops(op_name, tokens):
+    _opcheck(getattr(ops, op_name), _hyper_connection_args(tokens)[op_name])
+
+
 def _experts_args(tokens: int, dtype=torch.bfloat16) -> tuple:
     """``routed_experts`` arguments: 4 experts of hidden 64 x intermediate 32, 2 a token."""
     x = torch.randn(tokens, 64).to(dtype)
@@ -166,13 +182,15 @@ def _calls(state) -> dict[str, tuple]:
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
+        **_hyper_connection_args(3),
     }
 
 
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "hc_pre", "hc_head",
+           "hc_post"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)

@@ -1,0 +1,166 @@
+"""The mHC ops (``ops/hyper_connection.py``) against transformers' own hyper-connection code, and
+in the model step.
+
+CPU: each op's reference is bit for bit what transformers computes — ``DeepseekV4HyperConnection``,
+``DeepseekV4HyperHead`` and a whole ``DeepseekV4DecoderLayer`` (its attention and MoE replaced by
+stand-ins, so that only the hyper-connections and norms are compared); the model step runs the ops
+(two ``hc_pre`` and two ``hc_post`` per layer, one ``hc_head``) and compiles with no graph break,
+the compiled logits equal to the eager backend's; a module whose class overrides ``forward`` is
+called as it is; bad arguments are named."""
+
+import pytest
+import torch
+from torch import nn
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4HyperConnection,
+                                                                  DeepseekV4HyperHead)
+
+from dsv4_compile import hf_hyper_connection as hyper_connection
+from dsv4_compile.compile import compile_step
+from dsv4_compile.export import EXACT_NUMERICS
+from dsv4_compile.fx_passes import DSV4PassManager, FuseStepMetadataPass
+from dsv4_compile.model import enable
+from dsv4_compile.step import ForwardMode, StepInputs
+from tests.support.compile_checks import fresh_compile_state, graph_breaks
+from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+
+
+def _randomised(module: nn.Module) -> nn.Module:
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(std=0.5)
+    return module
+
+
+def _streams(config, *lead, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(*lead, config.hc_mult, config.hidden_size, generator=gen).to(dtype)
+
+
+@pytest.mark.parametrize("hc_mult, lead, dtype", [(4, (1, 7), torch.bfloat16), (4, (2, 3), torch.float32),
+                                                  (3, (2, 5), torch.bfloat16)])
+@torch.no_grad()
+def test_hc_pre_and_hc_head_are_the_modules(hc_mult, lead, dtype):
+    config = tiny_hf_config(hc_mult=hc_mult)
+    hc, head = _randomised(DeepseekV4HyperConnection(config)), _randomised(DeepseekV4HyperHead(config))
+    x = _streams(config, *lead, dtype=dtype)
+    for got, want in zip(hyper_connection.pre(hc, x), hc(x), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    got, want = hyper_connection.head(head, x), head(x)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_no_tokens():
+    config = tiny_hf_config()
+    args = _pre_args(config)
+    args[0] = _streams(config, 0)
+    post, comb, collapsed = torch.ops.dsv4.hc_pre(*args)
+    assert (post.shape, comb.shape, collapsed.shape) == ((0, 4), (0, 4, 4), (0, config.hidden_size))
+    assert torch.ops.dsv4.hc_post(post, comb, collapsed, args[0]).shape == (0, 4, config.hidden_size)
+
+
+class _Block(nn.Module):
+    """Stands in for a layer's attention or MoE: a fixed nonlinear map of its input."""
+
+    def __init__(self, hidden: int, seed: int, returns_tuple: bool):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(hidden, hidden, generator=torch.Generator().manual_seed(seed)) / hidden ** 0.5)
+        self.returns_tuple = returns_tuple
+
+    def forward(self, x, **kwargs):
+        y = torch.tanh(x.float() @ self.w.float()).to(x.dtype)
+        return (y, None) if self.returns_tuple else y
+
+
+@torch.no_grad()
+def test_decoder_layer_composition_is_transformers():
+    """transformers' ``DeepseekV4DecoderLayer.forward`` and the backend's composition (hc_pre, norm,
+    block, hc_post, twice) give the same streams, bit for bit."""
+    config = tiny_hf_config(num_hidden_layers=1)
+    layer = DeepseekV4DecoderLayer(config, 0)
+    layer.self_attn, layer.mlp = _Block(config.hidden_size, 1, True), _Block(config.hidden_size, 2, False)
+    for module in (layer.attn_hc, layer.ffn_hc, layer.input_layernorm, layer.post_attention_layernorm):
+        _randomised(module)
+    layer = layer.bfloat16()
+    for module in (layer.attn_hc, layer.ffn_hc):  # fp32, as from_pretrained keeps them
+        module.float()
+    h = _streams(config, 1, 6)
+    want = layer(h)
+    post, comb, collapsed = hyper_connection.pre(layer.attn_hc, h)
+    h = hyper_connection.post(post, comb, layer.self_attn(layer.input_layernorm(collapsed))[0], h)
+    post, comb, collapsed = hyper_connection.pre(layer.ffn_hc, h)
+    got = hyper_connection.post(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed)), h)
+    assert torch.equal(got, want)
+
+
+class _LoggedHyperConnection(DeepseekV4HyperConnection):
+    calls = 0
+
+    def forward(self, hidden_streams):
+        type(self).calls += 1
+        return super().forward(hidden_streams)
+
+
+@torch.no_grad()
+def test_a_module_with_its_own_forward_is_called():
+    config = tiny_hf_config()
+    hc = _randomised(_LoggedHyperConnection(config))
+    x = _streams(config, 1, 3)
+    for got, want in zip(hyper_connection.pre(hc, x), DeepseekV4HyperConnection.forward(hc, x), strict=True):
+        assert torch.equal(got, want)
+    assert _LoggedHyperConnection.calls == 1
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
+@torch.no_grad()
+def test_model_step_runs_the_ops():
+    layers = 2
+    backend = enable(tiny_hf_model(config=tiny_hf_config(num_hidden_layers=layers)), max_requests=1, max_seq_len=256)
+    passes = DSV4PassManager([FuseStepMetadataPass()])
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
+    row = backend.allocator.admit()
+    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    want = backend(ids, step, torch.arange(6)).float()
+    with fresh_compile_state():
+        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
+        assert graph_breaks() == 0
+    ops = passes.last_ops
+    assert (ops.count("dsv4.hc_pre.default"), ops.count("dsv4.hc_post.default"), ops.count("dsv4.hc_head.default")) \
+        == (2 * layers, 2 * layers, 1)
+    assert torch.equal(got, want)
+
+
+def _pre_args(config):
+    hc = _randomised(DeepseekV4HyperConnection(config))
+    return [_streams(config, 1, 3), hc.fn.data, hc.base.data, hc.scale.data, 20, 1e-6, 1e-6]
+
+
+@pytest.mark.parametrize("index, value, error, match", [
+    (0, torch.zeros(3), ValueError, "x must be"),
+    (0, torch.zeros(1, 3, 4, 256, dtype=torch.int32), TypeError, "x must have dtype"),
+    (1, torch.zeros(24, 100), ValueError, "fn has shape"),
+    (2, torch.zeros(23), ValueError, "base has shape"),
+    (3, torch.zeros(2), ValueError, "scale has shape"),
+    (3, torch.zeros(3, device="meta"), ValueError, "scale is on meta"),
+    (4, 0, ValueError, "iters=0"),
+    (5, -1.0, ValueError, "hc_eps=-1.0"),
+])
+def test_hc_pre_bad_arguments_are_named(index, value, error, match):
+    args = _pre_args(tiny_hf_config())
+    args[index] = value
+    with pytest.raises(error, match=f"dsv4.hc_pre: {match}"):
+        torch.ops.dsv4.hc_pre(*args)
+
+
+def test_hc_head_and_hc_post_bad_arguments_are_named():
+    config = tiny_hf_config()
+    x = _streams(config, 1, 3)
+    head = DeepseekV4HyperHead(config)
+    with pytest.raises(ValueError, match="dsv4.hc_head: fn has shape"):
+        torch.ops.dsv4.hc_head(x, head.hc_fn.data[:2], head.hc_base.data, head.hc_scale.data, 1e-6, 1e-6)
+    post, comb, out = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4, 4), torch.zeros(1, 3, config.hidden_size).bfloat16()
+    with pytest.raises(ValueError, match="dsv4.hc_post: comb has shape"):
+        torch.ops.dsv4.hc_post(post, comb[:, :2], out, x)
+    with pytest.raises(TypeError, match="dsv4.hc_post: out must have dtype torch.bfloat16"):
+        torch.ops.dsv4.hc_post(post, comb, out.float(), x)
+    with pytest.raises(ValueError, match="dsv4.hc_post: post must be 3-D"):
+        torch.ops.dsv4.hc_post(post[0], comb, out, x)
