@@ -45,7 +45,7 @@ _WARP_ELEMS = 256
 # _MAX_SPLIT splits of K (the finishing kernel sums them in one tile).
 _PRODUCT_ELEMS = 8192
 _MIX_PROGRAMS = 512
-_MAX_SPLIT = 64
+_MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
 
@@ -107,8 +107,9 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
     t_ok, m_ok = t < T, m < M
-    acc = tl.zeros([BLOCK_T, MP], tl.float32)
-    sq = tl.zeros([BLOCK_T], tl.float32)
+    # products accumulate elementwise and are reduced over k once, after the loop
+    acc = tl.zeros([BLOCK_T, MP, BLOCK_K], tl.float32)
+    sq = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
     k_start = s * k_per_split
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
@@ -116,11 +117,11 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
         xv = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
                      other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += tl.sum(xv[:, None, :] * w[None, :, :], axis=2)
-        sq += tl.sum(xv * xv, axis=1)
+        acc += xv[:, None, :] * w[None, :, :]
+        sq += xv * xv
     row = (s * T + t).to(tl.int64)
-    tl.store(dots_ptr + row[:, None] * MP + m[None, :], acc, mask=t_ok[:, None])
-    tl.store(sq_ptr + row, sq, mask=t_ok)
+    tl.store(dots_ptr + row[:, None] * MP + m[None, :], tl.sum(acc, axis=2), mask=t_ok[:, None])
+    tl.store(sq_ptr + row, tl.sum(sq, axis=1), mask=t_ok)
 
 
 @triton.jit
@@ -155,9 +156,16 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
             logits = tl.where(ij_ok, comb_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=ij_ok, other=0.0),
                               -3.0e38)
             e = tl.exp(logits - tl.max(logits, axis=1, keep_dims=True))
-            comb = tl.where(ij_ok, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, 0.0)
-            comb = _sinkhorn_tile(comb[None, :, :], iters, hc_eps, ij_ok[None, :, :])
-            tl.store(comb_ptr + t * (N * N) + (i * N + j)[None, :, :], comb, mask=ij_ok[None, :, :])
+            tl.store(comb_ptr + t * (N * N) + i * N + j, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, mask=ij_ok)
+            # The Sinkhorn steps run on the softmax reloaded through offsets of their own, the tile
+            # of _sinkhorn_kernel (3.5 µs a matrix on the H200): run in the layout of the
+            # partials' sum (one of its slices), this kernel took 19 µs a call.
+            tl.debug_barrier()
+            row, col = n[None, :, None], n[None, None, :]
+            tile_ok = (row < N) & (col < N)
+            tile = comb_ptr + t * (N * N) + row * N + col
+            comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
+            tl.store(tile, comb, mask=tile_ok)
     d_part = part if HEAD else part - 1
     if d_part >= 0:
         pre_mix = tl.sum(tl.load(dots_ptr + rows[:, None] + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
