@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .functional import rms_norm
+
 
 def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``x [..., N, N] fp32`` after one column normalisation and ``iters - 1`` (row, column) pairs,
@@ -40,9 +42,7 @@ def sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 def mixes(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
     """``x [..., N, D]`` flattened to ``[..., N D]`` fp32, RMS-normalised, projected by ``fn [M, N D]``:
     ``[..., M] fp32``."""
-    flat = x.flatten(-2).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(flat, fn.float())
+    return F.linear(rms_norm(x.flatten(-2).float(), None, norm_eps), fn.float())
 
 
 def collapse(pre: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

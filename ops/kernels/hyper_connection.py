@@ -125,6 +125,13 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
 
 
 @triton.jit
+def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
+    """Mixes ``first + n`` (``[NP]``) of one token, its splits' partials (at ``rows [SP]``) summed."""
+    return tl.sum(tl.load(dots_ptr + rows[:, None] + first + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
+                          other=0.0), axis=0)
+
+
+@triton.jit
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                        T, D, SPLIT, inv_k, iters, hc_eps, norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
@@ -143,8 +150,7 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
     r = 1.0 / tl.sqrt_rn(sq * inv_k + norm_eps)
     if not HEAD:
         if part == 0:
-            post_mix = tl.sum(tl.load(dots_ptr + rows[:, None] + N + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
-                                      other=0.0), axis=0) * r
+            post_mix = _summed_mixes(dots_ptr, rows, N, n, s_ok, n_ok) * r
             post = 2 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
             tl.store(post_ptr + t * N + n, post, mask=n_ok)
             i, j = n[:, None], n[None, :]
@@ -168,8 +174,7 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
             tl.store(tile, comb, mask=tile_ok)
     d_part = part if HEAD else part - 1
     if d_part >= 0:
-        pre_mix = tl.sum(tl.load(dots_ptr + rows[:, None] + n[None, :], mask=s_ok[:, None] & n_ok[None, :],
-                                 other=0.0), axis=0) * r
+        pre_mix = _summed_mixes(dots_ptr, rows, 0, n, s_ok, n_ok) * r
         pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)) + hc_eps
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
