@@ -19,9 +19,6 @@ rows with the next one over columns).
 ``dsv4::hc_post``: ``post ⊗ out + combᵀ @ streams`` in one pass over the streams, with the reference's
 roundings (weights, product, matrix product and sum each rounded to the streams' dtype).
 
-Up to ``_PDL_MAX_TOKENS`` tokens all three kernels launch under programmatic dependent launch (sm_90+):
-a launch overlaps the previous kernel's tail and waits for its results in-kernel.
-
 Numerics: every Sinkhorn step is the reference's ``x / (sum + eps)`` with an IEEE division
 (``div_rn``); sums (the projection's split-K, the N-term reductions) add in another order than the
 reference's, so results agree to fp32 rounding. Padding (rows and columns past N, matrices past M)
@@ -33,8 +30,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from .host import has_pdl
 
 MAX_N = 64  # a program holds whole matrices in registers: up to 64 x 64 (hc_mult is 4)
 # hc_pre / hc_post hold a token's N x N comb and N streams of BLOCK_D columns in one program.
@@ -53,7 +48,6 @@ _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
-_PDL_MAX_TOKENS = 1024  # decode and verify steps: launches chained under PDL (as the compressor's)
 
 
 @triton.jit
@@ -105,13 +99,10 @@ def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 @triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr, PDL: tl.constexpr):
+                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
     """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)``) of tokens
     ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] = sum_k x[t, k] fn[m, k]`` and
     ``sq[s, t] = sum_k x[t, k]²``, fp32."""
-    if PDL:  # launched as a dependent: inputs are final past the wait; the finishing kernel may launch
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
@@ -144,12 +135,10 @@ def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                        T, D, SPLIT, inv_k, iters, hc_eps, norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, PDL: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
     """Token ``t = pid(0)``: the partials of its ``SPLIT`` splits summed and scaled by the RMS
     factor; part ``pid(1)`` 0 (not for ``HEAD``) writes ``post [T, N]`` and ``comb [T, N, N]``, every
     other part ``BLOCK_D`` columns of ``out [T, D]``."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -194,12 +183,6 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         tl.store(out_ptr + t * D + d, collapsed.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _pdl(tokens: int, device: torch.device) -> bool:
-    """Launch with programmatic dependent launch: each kernel's launch overlaps its predecessor's
-    tail and waits for it in-kernel (sm_90+, decode-sized token counts)."""
-    return tokens <= _PDL_MAX_TOKENS and has_pdl(device)
-
-
 def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                   hc_eps: float, norm_eps: float, head: bool = False):
     """``x [..., N, D]`` (N <= :data:`MAX_HC_N`), ``fn [M, N D]``, ``base [M]``, ``scale`` as
@@ -223,24 +206,21 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         split = triton.cdiv(k, k_per_split)
         dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
         sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
-        pdl = _pdl(tokens, x.device)
         _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, tokens, k, m, k_per_split, BLOCK_T=block_t,
-                                               BLOCK_K=block_k, MP=mp, PDL=pdl, launch_pdl=pdl)
+                                               BLOCK_K=block_k, MP=mp)
         parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
         _pre_finish_kernel[(tokens, parts)](xs, dots, sq, base, scale, post, comb, out, tokens, d, split, 1.0 / k,
                                             iters, hc_eps, norm_eps, N=n, NP=triton.next_power_of_2(n), MP=mp,
                                             SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D, HEAD=head,
-                                            PDL=pdl, num_warps=1, launch_pdl=pdl)
+                                            num_warps=1)
     return out if head else (post, comb, out)
 
 
 @triton.jit
 def _post_kernel(post_ptr, comb_ptr, out_ptr, streams_ptr, new_ptr, D, N: tl.constexpr, NP: tl.constexpr,
-                 BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                 BLOCK_D: tl.constexpr):
     """Token ``pid(0)``, columns ``[pid(1) BLOCK_D, +BLOCK_D)``:
     ``new[k, :] = post[k] out + sum_j comb[j, k] streams[j, :]``, rounded as the reference rounds."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
     t = tl.program_id(0).to(tl.int64)
     d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     d_ok = d < D
@@ -267,8 +247,7 @@ def launch_hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, st
     new = torch.empty_like(streams)
     tokens = streams.numel() // (n * d) if n * d else 0
     if tokens:
-        pdl = _pdl(tokens, streams.device)
         _post_kernel[(tokens, triton.cdiv(d, _BLOCK_D))](post.contiguous(), comb.contiguous(), out.contiguous(),
                                                          streams, new, d, N=n, NP=triton.next_power_of_2(n),
-                                                         BLOCK_D=_BLOCK_D, PDL=pdl, launch_pdl=pdl)
+                                                         BLOCK_D=_BLOCK_D)
     return new
