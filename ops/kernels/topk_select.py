@@ -23,6 +23,10 @@ Everything is decided per row on the device:
   The candidate bucket is small for smooth logit distributions (about n / 256 times the density at
   the threshold); ties or outliers only make step 3 longer, never wrong. Total work O(n) per row,
   spread over ``S2`` programs for the two full passes.
+* Rows of at most ``_ROW_SELECT_MAX_CAPACITY`` entries (the page table's width; 32k tokens of
+  context at ratio 4): ``_row_select_kernel`` (grid ``[T]``) runs the same three passes in one
+  program per row, with the histogram in registers and a barrier before the candidates are read
+  back: one launch instead of three dependent ones, whose fixed cost dominated short rows.
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -40,6 +44,9 @@ _NB = 256
 _BLOCK = 1024  # logits per select iteration (< 2**16: packed cumsum)
 _SELECT_PROGRAMS = 256
 _MAX_SELECT_SPLITS = 64
+# Rows of at most this many entries run the whole select in one program (``_row_select_kernel``):
+# at most 8 blocks a pass, against three dependent launches.
+_ROW_SELECT_MAX_CAPACITY = 8 * _BLOCK
 
 
 @triton.jit
@@ -100,6 +107,37 @@ def _slot(pt_row, j, mask, num_pages, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _bucket_hist(workspace_row, start, end, lo, scale, NB: tl.constexpr, BLOCK: tl.constexpr):
+    """256-bin histogram (highest bucket first) of the logits ``workspace_row[start:end]``."""
+    hist = tl.zeros([NB], dtype=tl.int32)
+    for j0 in range(start, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        x = tl.load(workspace_row + j, mask=j < end, other=0.0)
+        hist += tl.histogram(_rev_bucket(x, lo, scale, NB), NB, mask=j < end)
+    return hist
+
+
+@triton.jit
+def _emit_bucket(workspace_row, cand_row, pt_row, out_row, start, end, lo, scale, b_star, off_above, off_cand,
+                 num_pages, NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    """Of the logits ``[start, end)``: slots of those in buckets above ``b_star`` to
+    ``out_row[off_above:]``, indices of those in ``b_star`` to ``cand_row[off_cand:]``; returns both
+    offsets advanced."""
+    for j0 in range(start, end, BLOCK):
+        j = j0 + tl.arange(0, BLOCK)
+        rb = _rev_bucket(tl.load(workspace_row + j, mask=j < end, other=0.0), lo, scale, NB)
+        is_above = (j < end) & (rb < b_star)
+        is_cand = (j < end) & (rb == b_star)
+        pos = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), 0)  # inclusive, packed
+        slot = _slot(pt_row, j, is_above, num_pages, PAGE)
+        tl.store(out_row + off_above + (pos & 0xFFFF) - 1, slot, mask=is_above)
+        tl.store(cand_row + off_cand + (pos >> 16) - 1, j, mask=is_cand)
+        off_above += tl.sum(is_above.to(tl.int32), 0)
+        off_cand += tl.sum(is_cand.to(tl.int32), 0)
+    return off_above, off_cand
+
+
+@triton.jit
 def _bucket_hist_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity, topk, num_splits, num_sel,
                         stride_workspace, S_P2: tl.constexpr, NB: tl.constexpr, BLOCK: tl.constexpr,
                         PDL: tl.constexpr):
@@ -112,11 +150,7 @@ def _bucket_hist_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity
     if n > topk:
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         start, end = _chunk(n, split, num_sel, BLOCK)
-        hist = tl.zeros([NB], dtype=tl.int32)
-        for j0 in range(start, end, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            x = tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=j < end, other=0.0)
-            hist += tl.histogram(_rev_bucket(x, lo, scale, NB), NB, mask=j < end)
+        hist = _bucket_hist(workspace_ptr + r.to(tl.int64) * stride_workspace, start, end, lo, scale, NB, BLOCK)
         tl.store(hist_ptr + (r * num_sel + split).to(tl.int64) * NB + tl.arange(0, NB), hist)
 
 
@@ -136,18 +170,9 @@ def _bucket_emit_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_pt
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         b_star, off_above, off_cand = _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB)
         start, end = _chunk(n, split, num_sel, BLOCK)
-        workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
-        for j0 in range(start, end, BLOCK):
-            j = j0 + tl.arange(0, BLOCK)
-            rb = _rev_bucket(tl.load(workspace_row + j, mask=j < end, other=0.0), lo, scale, NB)
-            is_above = (j < end) & (rb < b_star)
-            is_cand = (j < end) & (rb == b_star)
-            pos = tl.cumsum(is_above.to(tl.int32) + (is_cand.to(tl.int32) << 16), 0)  # inclusive, packed
-            slot = _slot(pt_ptr + row * stride_pt, j, is_above, num_pages, PAGE)
-            tl.store(out_ptr + row * stride_out + off_above + (pos & 0xFFFF) - 1, slot, mask=is_above)
-            tl.store(cand_ptr + r.to(tl.int64) * stride_workspace + off_cand + (pos >> 16) - 1, j, mask=is_cand)
-            off_above += tl.sum(is_above.to(tl.int32), 0)
-            off_cand += tl.sum(is_cand.to(tl.int32), 0)
+        _emit_bucket(workspace_ptr + r.to(tl.int64) * stride_workspace, cand_ptr + r.to(tl.int64) * stride_workspace,
+                     pt_ptr + row * stride_pt, out_ptr + row * stride_out, start, end, lo, scale, b_star, off_above,
+                     off_cand, num_pages, NB, BLOCK, PAGE)
 
 
 @triton.jit
@@ -155,6 +180,56 @@ def _ordered_key(x):
     """int32 key with the order of the fp32 values (for finite values and ±inf)."""
     bits = x.to(tl.int32, bitcast=True)
     return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@triton.jit
+def _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand, topk, num_pages,
+                       NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    """Exact radix select of the ``topk - above`` largest logits among the ``num_cand`` candidates
+    ``cand_row``; their slots to ``out_row[above:]``. Returns the count of slots now in ``out_row``."""
+    need = topk - above
+    prefix = 0
+    for level in tl.static_range(4):  # 8 bits of the key per level, most significant first
+        shift = 24 - 8 * level
+        hist = tl.zeros([NB], dtype=tl.int32)
+        for c0 in range(0, num_cand, BLOCK):
+            c = c0 + tl.arange(0, BLOCK)
+            key = _ordered_key(tl.load(workspace_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
+            if level == 0:
+                digit = (key >> 24) + 128  # signed top byte -> [0, 256)
+                match = c < num_cand
+            else:
+                digit = (key >> shift) & 0xFF
+                match = (c < num_cand) & ((key >> (shift + 8)) == prefix)
+            hist += tl.histogram(NB - 1 - digit, NB, mask=match)
+        i, skipped = _threshold_bin(hist, need, NB)
+        need -= skipped
+        prefix = prefix * NB + (NB - 1 - i) - (128 if level == 0 else 0)
+    # prefix is now the threshold key; take keys above it and the first `need` equal ones
+    filled = above
+    ties = 0
+    for c0 in range(0, num_cand, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        j = tl.load(cand_row + c, mask=c < num_cand, other=0)
+        key = _ordered_key(tl.load(workspace_row + j))
+        eq = (c < num_cand) & (key == prefix)
+        take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
+        tl.store(out_row + pos, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
+        filled += tl.sum(take.to(tl.int32), 0)
+        ties += tl.sum(eq.to(tl.int32), 0)
+    return filled
+
+
+@triton.jit
+def _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK: tl.constexpr, PAGE: tl.constexpr):
+    """``n <= topk``: the slots of every ``j < n`` in order; always: -1 after the last selected."""
+    for c0 in range(0, topk, BLOCK):
+        c = c0 + tl.arange(0, BLOCK)
+        if n <= topk:
+            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, num_pages, PAGE), -1), mask=c < topk)
+        else:
+            tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
 
 
 @triton.jit
@@ -168,50 +243,40 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
     n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
     pt_row = pt_ptr + row * stride_pt
     out_row = out_ptr + row * stride_out
-    filled = 0
-    if n <= topk:  # every visible entry, in order, unscored
-        filled = n
-    else:
-        b_star, above, num_cand = _bucket_offsets(hist_ptr, r, num_sel, num_sel, topk, NB)
-        need = topk - above
-        cand_row = cand_ptr + r.to(tl.int64) * stride_workspace
+    filled = n  # n <= K: every visible entry, in order, unscored
+    if n > topk:
+        _, above, num_cand = _bucket_offsets(hist_ptr, r, num_sel, num_sel, topk, NB)
+        filled = _select_candidates(workspace_ptr + r.to(tl.int64) * stride_workspace,
+                                    cand_ptr + r.to(tl.int64) * stride_workspace, pt_row, out_row, above, num_cand,
+                                    topk, num_pages, NB, BLOCK, PAGE)
+    _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
+
+
+@triton.jit
+def _row_select_kernel(workspace_ptr, mm_ptr, vis_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, num_pages, topk,
+                       num_splits, stride_workspace, stride_pt, stride_out, S_P2: tl.constexpr, NB: tl.constexpr,
+                       BLOCK: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
+    """The three passes of one row in one program (grid ``[T]``): for short rows, whose passes are
+    a few blocks each, where three launches would cost more than the work."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0)
+    row = (row0 + r).to(tl.int64)
+    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
+    pt_row = pt_ptr + row * stride_pt
+    out_row = out_ptr + row * stride_out
+    filled = n
+    if n > topk:
         workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
-        prefix = 0
-        for level in tl.static_range(4):  # 8 bits of the key per level, most significant first
-            shift = 24 - 8 * level
-            hist = tl.zeros([NB], dtype=tl.int32)
-            for c0 in range(0, num_cand, BLOCK):
-                c = c0 + tl.arange(0, BLOCK)
-                key = _ordered_key(tl.load(workspace_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
-                if level == 0:
-                    digit = (key >> 24) + 128  # signed top byte -> [0, 256)
-                    match = c < num_cand
-                else:
-                    digit = (key >> shift) & 0xFF
-                    match = (c < num_cand) & ((key >> (shift + 8)) == prefix)
-                hist += tl.histogram(NB - 1 - digit, NB, mask=match)
-            i, skipped = _threshold_bin(hist, need, NB)
-            need -= skipped
-            prefix = prefix * NB + (NB - 1 - i) - (128 if level == 0 else 0)
-        # prefix is now the threshold key; take keys above it and the first `need` equal ones
-        filled = above
-        ties = 0
-        for c0 in range(0, num_cand, BLOCK):
-            c = c0 + tl.arange(0, BLOCK)
-            j = tl.load(cand_row + c, mask=c < num_cand, other=0)
-            key = _ordered_key(tl.load(workspace_row + j))
-            eq = (c < num_cand) & (key == prefix)
-            take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
-            pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
-            tl.store(out_row + pos, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
-            filled += tl.sum(take.to(tl.int32), 0)
-            ties += tl.sum(eq.to(tl.int32), 0)
-    for c0 in range(0, topk, BLOCK):  # n <= K: slots of j < n; always: -1 after the last selected
-        c = c0 + tl.arange(0, BLOCK)
-        if n <= topk:
-            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, num_pages, PAGE), -1), mask=c < topk)
-        else:
-            tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
+        cand_row = cand_ptr + r.to(tl.int64) * stride_workspace
+        lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
+        b_star, _ = _threshold_bin(_bucket_hist(workspace_row, 0, n, lo, scale, NB, BLOCK), topk, NB)
+        above, num_cand = _emit_bucket(workspace_row, cand_row, pt_row, out_row, 0, n, lo, scale, b_star, 0, 0,
+                                       num_pages, NB, BLOCK, PAGE)
+        tl.debug_barrier()  # the candidates' indices, stored by every thread, are read by all below
+        filled = _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand, topk, num_pages,
+                                    NB, BLOCK, PAGE)
+    _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
 
 
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
@@ -222,7 +287,7 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
 
     minmax: [>= rows, S, 2] fp32 per-split min / max of the scan; page_table: [T, NP] int32/int64
     (contiguous); visible: [T]; out: [T, topk] int32. ``workspace`` / ``minmax`` may be None when
-    ``capacity <= topk`` (no row is ever scored). ``pdl``: launch the three kernels with
+    ``capacity <= topk`` (no row is ever scored). ``pdl``: launch the select's kernels with
     programmatic dependent launch (sm_90+; the scan before them triggers its dependents).
     """
     if rows == 0:
@@ -237,11 +302,16 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
     num_splits = minmax.shape[1]
+    s_p2 = triton.next_power_of_2(num_splits)
+    cand = torch.empty(workspace.shape, dtype=torch.int32, device=workspace.device)  # workspace's row stride
+    if capacity <= _ROW_SELECT_MAX_CAPACITY:
+        _row_select_kernel[(rows,)](workspace, minmax, visible, page_table, out, cand, row0, capacity, num_pages, topk,
+                                    num_splits, workspace.stride(0), page_table.stride(0), out.stride(0), S_P2=s_p2,
+                                    NB=_NB, BLOCK=_BLOCK, PAGE=page, PDL=pdl, num_warps=4, launch_pdl=pdl)
+        return
     num_sel = max(1, min(triton.cdiv(capacity, _BLOCK), triton.cdiv(_SELECT_PROGRAMS, rows),
                          _MAX_SELECT_SPLITS))
     hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=workspace.device)
-    cand = torch.empty(workspace.shape, dtype=torch.int32, device=workspace.device)  # workspace's row stride
-    s_p2 = triton.next_power_of_2(num_splits)
     # pdl: each kernel launches while the previous one drains and waits for it in-kernel
     common = dict(NB=_NB, BLOCK=_BLOCK, PDL=pdl, num_warps=4, launch_pdl=pdl)
     _bucket_hist_kernel[(rows, num_sel)](workspace, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,

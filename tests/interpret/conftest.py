@@ -18,3 +18,14 @@ def pytest_ignore_collect(collection_path, config):
 def device():
     """Where kernel inputs live: CPU tensors under the interpreter, else the GPU."""
     return "cpu" if INTERPRET else "cuda"
+
+
+@pytest.fixture(params=["row", "split"])
+def select_path(request, monkeypatch):
+    """Both paths of the top-k select: one program per row (short rows), or the three split
+    passes (longer rows; forced here by a row limit of 0)."""
+    from dsv4_compile.ops.kernels import topk_select
+
+    if request.param == "split":
+        monkeypatch.setattr(topk_select, "_ROW_SELECT_MAX_CAPACITY", 0)
+    return request.param

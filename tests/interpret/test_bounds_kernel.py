@@ -70,6 +70,7 @@ def test_compress_kv_ignores_nan_in_masked_slots(device):
     bounds.compress_kv_masked_nan_case(KERNELS, device)
 
 
+@pytest.mark.usefixtures("select_path")
 @pytest.mark.parametrize("narrow", [False, True])
 def test_indexer_topk_pages_outside_the_cache(device, monkeypatch, narrow):
     monkeypatch.setattr(indexer_kernels, "_SCAN_PROGRAMS", 16)  # several scan and select splits per row

@@ -10,7 +10,8 @@ duplicates, only visible entries, exactly ``min(visible, K)`` selected); rows wi
 fp64 boundary regret within the reference's + a reduction budget, and the exact top-k set where
 the fp64 margin at the K-th logit exceeds that budget. Extra inputs: logits ordered by distinct
 scales (exact sets), all-equal and few-valued logits (ties), several select splits, several
-workspace chunks, a capacity below K, int64 index tensors.
+workspace chunks, a capacity below K, int64 index tensors; each through both select paths (one
+program per row, and the split passes).
 """
 
 import pytest
@@ -75,6 +76,7 @@ def _check_topk(args, got):
     return inputs.check_topk(args, got, budget_rel=GPU_BUDGET_REL if got.is_cuda else INTERPRETER_BUDGET_REL)
 
 
+@pytest.mark.usefixtures("select_path")
 @pytest.mark.parametrize("topk,num_heads", [(64, 8), (128, 64)])
 def test_topk_matches_reference(device, topk, num_heads):
     """Random keys; the last row (every entry visible) gets a top-k set whose margin exceeds the
@@ -94,6 +96,7 @@ def _identical_keys(args):
     vals.copy_(vals[0, 0].clone().expand_as(vals))
 
 
+@pytest.mark.usefixtures("select_path")
 @pytest.mark.parametrize("outlier", [False, True])
 def test_topk_logits_ordered_by_distinct_scales(device, outlier):
     """Identical keys, distinct scales: the exact top-k set is the largest (or smallest) scales.
@@ -115,6 +118,7 @@ def test_topk_logits_ordered_by_distinct_scales(device, outlier):
         assert set(got[r].tolist()) == set(want[r].tolist())
 
 
+@pytest.mark.usefixtures("select_path")
 @pytest.mark.parametrize("num_values", [1, 3])
 def test_topk_ties(device, num_values):
     """All logits equal (a flat row) or only a few distinct values: ties at the threshold."""
@@ -128,6 +132,7 @@ def test_topk_ties(device, num_values):
     _check_topk(args, indexer_kernels.launch_indexer_topk(**args))
 
 
+@pytest.mark.usefixtures("select_path")
 def test_topk_workspace_chunks(device, monkeypatch):
     """Rows processed in several workspace chunks give the same selection."""
     topk, num_pages = 64, 4
@@ -138,12 +143,14 @@ def test_topk_workspace_chunks(device, monkeypatch):
     _check_topk(args, whole)
 
 
+@pytest.mark.usefixtures("select_path")
 def test_topk_capacity_below_k(device):
     """Page tables narrower than K: every row takes all its visible entries."""
     args = inputs.indexer_topk_args([0, 5, 64, 128], 8, 2, 192, _gen(device, 3))
     _check_topk(args, indexer_kernels.launch_indexer_topk(**args))
 
 
+@pytest.mark.usefixtures("select_path")
 def test_topk_int64_index_tensors(device):
     args = inputs.indexer_topk_args([70, 200, 10], 8, 4, 64, _gen(device, 4))
     args64 = dict(args, page_table=args["page_table"].long(), visible=args["visible"].long())
