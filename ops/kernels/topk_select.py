@@ -271,7 +271,8 @@ def _row_select_kernel(workspace_ptr, mm_ptr, vis_ptr, pt_ptr, out_ptr, cand_ptr
         cand_row = cand_ptr + r.to(tl.int64) * stride_workspace
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         b_star, _ = _threshold_bin(_bucket_hist(workspace_row, 0, n, lo, scale, NB, BLOCK), topk, NB)
-        above, num_cand = _emit_bucket(workspace_row, cand_row, pt_row, out_row, 0, n, lo, scale, b_star, 0, 0,
+        zero = tl.zeros_like(n)  # offsets carried through the loop as tensors, not constants
+        above, num_cand = _emit_bucket(workspace_row, cand_row, pt_row, out_row, 0, n, lo, scale, b_star, zero, zero,
                                        num_pages, NB, BLOCK, PAGE)
         tl.debug_barrier()  # the candidates' indices, stored by every thread, are read by all below
         filled = _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand, topk, num_pages,
