@@ -1,4 +1,7 @@
-"""Runs ``tests/interpret`` under ``TRITON_INTERPRET=1`` in a fresh process (CPU machines)."""
+"""Runs ``tests/interpret`` under ``TRITON_INTERPRET=1`` in a fresh process (CPU machines), then
+compiles every kernel variant that run launched for sm_90 with Triton's compiler
+(``tests/support/kernel_launches.py``): the interpreter does not type-check kernels as the
+compiler does, so a kernel can pass under it and still fail to build on the GPU."""
 
 import os
 import subprocess
@@ -8,15 +11,36 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.kernel_launches import RECORD_ENV
+
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA tests/interpret runs natively")
+
+HERE = Path(__file__).parent
+MIN_VARIANTS = 100  # the suite launches ~120 distinct kernel variants: fewer means the record broke
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on CUDA tests/interpret runs natively")
-def test_kernels_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    here = Path(__file__).parent
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(here / "interpret")],
-                          env=env, capture_output=True, text=True, cwd=here.parent)
+@pytest.fixture(scope="module")
+def recorded_launches(tmp_path_factory) -> Path:
+    """The interpreter run; returns the file of the kernel launches it recorded."""
+    launches = tmp_path_factory.mktemp("kernels") / "launches.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", **{RECORD_ENV: str(launches)})
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interpret")],
+                          env=env, capture_output=True, text=True, cwd=HERE.parent)
     if proc.returncode == 5:  # no kernel tests collected
         pytest.skip("no interpreter tests")
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+    return launches
+
+
+def test_kernels_under_triton_interpreter(recorded_launches):
+    assert recorded_launches.exists()
+
+
+def test_launched_kernels_compile_for_sm90(recorded_launches):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-m", "tests.support.kernel_launches", str(recorded_launches)],
+                          env=env, capture_output=True, text=True, cwd=HERE.parent)
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
+    compiled = int(proc.stdout.split()[0])
+    assert compiled >= MIN_VARIANTS, proc.stdout

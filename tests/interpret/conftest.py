@@ -14,6 +14,15 @@ def pytest_ignore_collect(collection_path, config):
     return not (INTERPRET or torch.cuda.is_available())
 
 
+def pytest_configure(config):
+    """Under the interpreter, record the kernels' launches when asked (``tests/support/kernel_launches.py``
+    compiles them for sm_90 afterwards)."""
+    from tests.support.kernel_launches import RECORD_ENV, start_recording
+
+    if INTERPRET and os.environ.get(RECORD_ENV):
+        start_recording(os.environ[RECORD_ENV])
+
+
 @pytest.fixture
 def device():
     """Where kernel inputs live: CPU tensors under the interpreter, else the GPU."""

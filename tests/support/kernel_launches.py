@@ -1,0 +1,169 @@
+"""Every Triton kernel launch of the interpreter suite, compiled for the H200 (sm_90) without a GPU.
+
+The Triton interpreter runs a kernel as Python: it does not type-check it the way the compiler
+does (a value carried through a loop that changes type, a constexpr used as a tensor), so a kernel
+can pass every interpreter test and still fail to compile on the GPU. Here the interpreter run
+records each distinct launch (kernel, argument types, constexpr values, compile options) and a
+second process, without the interpreter, compiles each one with Triton's own compiler for sm_90
+(front end to PTX and ``ptxas``; no driver or GPU is needed).
+
+What it covers: the variants the interpreter suite runs, with the constexprs the launchers pick
+there. Where a launcher picks by ``INTERPRET`` or by the device (software fp8 conversion, fp32
+dots, PDL off) the GPU's own choice is not compiled, and kernels the interpreter never launches
+(the warp-specialised attention kernel) are not either; those are compiled by the GPU tests.
+
+    TRITON_INTERPRET=1 DSV4_RECORD_KERNEL_LAUNCHES=launches.json pytest tests/interpret
+    python -m tests.support.kernel_launches launches.json     # prints failures, exits 1 on any
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import importlib
+import inspect
+import json
+import os
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import torch
+
+RECORD_ENV = "DSV4_RECORD_KERNEL_LAUNCHES"
+_LAUNCH_ONLY = ("grid", "warmup")
+
+
+def _arg_record(value):
+    """A launch argument as JSON: a tensor by its dtype, a tuple (a ``NamedTuple`` of arguments)
+    element by element, a Triton dtype by its name, a scalar by its value."""
+    if isinstance(value, torch.Tensor):
+        return {"tensor": str(value.dtype).removeprefix("torch.")}
+    if isinstance(value, tuple):
+        return {"tuple": [_arg_record(v) for v in value], "class": f"{type(value).__module__}:{type(value).__qualname__}"}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return {"value": value}
+    import triton.language as tl
+
+    if isinstance(value, tl.dtype):
+        return {"tl_dtype": value.name}
+    return {"value": repr(value), "unsupported": type(value).__name__}
+
+
+def _mock(record):
+    """The argument a recorded one stands for, as the compiler's type inference takes it."""
+    from triton.runtime.jit import MockTensor
+
+    if "unsupported" in record:
+        raise TypeError(f"a {record['unsupported']} argument is not recorded")
+    if "tensor" in record:
+        return MockTensor(getattr(torch, record["tensor"]))
+    if "tl_dtype" in record:
+        import triton.language as tl
+
+        return tl.dtype(record["tl_dtype"])
+    if "tuple" in record:
+        module, name = record["class"].split(":")
+        cls = getattr(importlib.import_module(module), name)
+        items = [_mock(r) for r in record["tuple"]]
+        return cls(*items) if hasattr(cls, "_fields") else cls(items)
+    return record["value"]
+
+
+def _type_of(arg):
+    """The compiler's type string of an argument; a ``NamedTuple``'s keeps its class, whose field
+    names the kernel reads the elements by."""
+    from triton.runtime.jit import mangle_type
+
+    if isinstance(arg, tuple):
+        items = [_type_of(a) for a in arg]
+        return type(arg)(*items) if hasattr(arg, "_fields") else tuple(items)
+    return mangle_type(arg)
+
+
+def start_recording(path: str) -> None:
+    """Record every interpreted launch from now on; write the distinct ones to ``path`` at exit."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    seen: dict[str, dict] = {}
+    run = InterpretedFunction.run
+
+    def recording_run(self, *args, **kwargs):
+        fn = self.fn
+        launch = {"module": fn.__module__, "kernel": fn.__qualname__,
+                  "args": [_arg_record(a) for a in args],
+                  "kwargs": {k: _arg_record(v) for k, v in kwargs.items() if k not in _LAUNCH_ONLY}}
+        seen.setdefault(json.dumps(launch, sort_keys=True), launch)
+        return run(self, *args, **kwargs)
+
+    InterpretedFunction.run = recording_run
+    atexit.register(lambda: Path(path).write_text(json.dumps(list(seen.values()), indent=0)))
+
+
+def _jit_function(launch: dict):
+    fn = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    while not hasattr(fn, "params"):  # an autotuner or heuristics wrapper
+        fn = fn.fn
+    return fn
+
+
+def compile_spec(launch: dict):
+    """``(kernel, signature, constexprs, options)`` of one recorded launch: what the compiler sees
+    (scalar values other than constexprs only by their type)."""
+    from triton.backends.nvidia.compiler import CUDAOptions
+
+    fn = _jit_function(launch)
+    defaults = {name: p.default for name, p in inspect.signature(fn.fn).parameters.items()}
+    values = dict(zip(fn.arg_names, launch["args"]))
+    values.update({k: v for k, v in launch["kwargs"].items() if k in defaults})
+    option_names = {f.name for f in dataclasses.fields(CUDAOptions)}
+    options = {k: v["value"] for k, v in launch["kwargs"].items() if k not in defaults and k in option_names}
+    signature, constexprs = {}, {}
+    for i, param in enumerate(fn.params):
+        arg = _mock(values[param.name]) if param.name in values else defaults[param.name]
+        kind = "constexpr" if param.is_constexpr else _type_of(arg)
+        signature[param.name] = kind
+        if kind == "constexpr":
+            constexprs[(i,)] = arg
+    return fn, signature, constexprs, options
+
+
+def _compile(launch: dict) -> str | None:
+    """Compile one launch's variant for sm_90: None, or the failure."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    try:
+        fn, signature, constexprs, options = compile_spec(launch)
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+                       target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # noqa: BLE001 - every compiler error is a finding
+        return f"{launch['module']}.{launch['kernel']}: {type(e).__name__}: {str(e)[:2000]}"
+    return None
+
+
+def compile_all(path: str) -> tuple[int, list[str]]:
+    """``(kernel variants compiled, failures)`` of the launches recorded in ``path``: each distinct
+    ``compile_spec`` compiled once for sm_90, on every core."""
+    variants: dict[str, dict] = {}
+    for launch in json.loads(Path(path).read_text()):
+        try:
+            fn, signature, constexprs, options = compile_spec(launch)
+        except TypeError:
+            key = json.dumps(launch, sort_keys=True)  # compiled alone, to report what is unsupported
+        else:
+            key = repr((launch["module"], launch["kernel"], sorted(signature.items()), sorted(constexprs.items()),
+                        sorted(options.items())))
+        variants.setdefault(key, launch)
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        failures = [f for f in pool.map(_compile, variants.values()) if f]
+    return len(variants), failures
+
+
+if __name__ == "__main__":
+    count, failed = compile_all(sys.argv[1])
+    print(f"{count} kernel variants compiled for sm_90, {len(failed)} failed")
+    for line in failed:
+        print(line)
+    sys.exit(1 if failed else 0)
