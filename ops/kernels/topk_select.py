@@ -108,6 +108,19 @@ def _slot(pt_row, j, mask, num_pages, PAGE: tl.constexpr):
 
 
 @triton.jit
+def _visible_count(vis_ptr, row, capacity):
+    """``n = min(visible[row], capacity)``, at least 0: the logits row ``row`` selects among."""
+    return tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
+
+
+@triton.jit
+def _select_row(vis_ptr, pt_ptr, out_ptr, row, capacity, stride_pt, stride_out):
+    """``(n, page-table row, output row)`` of row ``row`` of the step."""
+    row = row.to(tl.int64)
+    return _visible_count(vis_ptr, row, capacity), pt_ptr + row * stride_pt, out_ptr + row * stride_out
+
+
+@triton.jit
 def _bucket_hist(workspace_row, start, end, lo, scale, NB: tl.constexpr, BLOCK: tl.constexpr):
     """256-bin histogram (highest bucket first) of the logits ``workspace_row[start:end]``."""
     hist = tl.zeros([NB], dtype=tl.int32)
@@ -147,7 +160,7 @@ def _bucket_hist_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, row0, capacity
         tl.extra.cuda.gdc_launch_dependents()
     r = tl.program_id(0)
     split = tl.program_id(1)
-    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row0 + r).to(tl.int32), 0), capacity)
+    n = _visible_count(vis_ptr, row0 + r, capacity)
     if n > topk:
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         start, end = _chunk(n, split, num_sel, BLOCK)
@@ -166,7 +179,7 @@ def _bucket_emit_kernel(workspace_ptr, mm_ptr, vis_ptr, hist_ptr, pt_ptr, out_pt
     r = tl.program_id(0)
     split = tl.program_id(1)
     row = (row0 + r).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
+    n = _visible_count(vis_ptr, row, capacity)
     if n > topk:
         lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
         b_star, off_above, off_cand = _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB)
@@ -240,10 +253,7 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
-    row = (row0 + r).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
-    pt_row = pt_ptr + row * stride_pt
-    out_row = out_ptr + row * stride_out
+    n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
     filled = n  # n <= K: every visible entry, in order, unscored
     if n > topk:
         _, above, num_cand = _bucket_offsets(hist_ptr, r, num_sel, num_sel, topk, NB)
@@ -262,10 +272,7 @@ def _row_select_kernel(workspace_ptr, mm_ptr, vis_ptr, pt_ptr, out_ptr, cand_ptr
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
-    row = (row0 + r).to(tl.int64)
-    n = tl.minimum(tl.maximum(tl.load(vis_ptr + row).to(tl.int32), 0), capacity)
-    pt_row = pt_ptr + row * stride_pt
-    out_row = out_ptr + row * stride_out
+    n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
     filled = n
     if n > topk:
         workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
