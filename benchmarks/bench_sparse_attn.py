@@ -20,7 +20,8 @@ and on sm_90 the warp-specialised ring shapes and L2 prefetch; ``--kernel-info``
 registers, spills and shared memory of every compiled kernel variant at the end.
 
 Columns: µs per call; TFLOPS-equivalent, ``sparse_attn_flops``; GB/s, ``sparse_attn_bytes`` (both
-in ``dsv4_compile.testing.bench``); ratio = FlashMLA µs / µs (> 1: faster than FlashMLA). Inputs
+in ``dsv4_compile.testing.bench``); ratio = FlashMLA µs / µs (> 1: faster than FlashMLA). The
+``c4_flash_h*`` cases hold 8 / 16 / 32 heads, as one rank does under tensor parallelism. Inputs
 are full-length rows (no holes), every row with its own entries scattered over the pools, except
 prefill rows, which share one request's pools.
 """
@@ -65,22 +66,28 @@ CASES = [AttnShape(f"c4_flash_b{b}", b, 64, "c4", 512) for b in (1, 8, 32, 128, 
     AttnShape("c4_pro_b64", 64, 128, "c4", 1024),
     AttnShape("c4_pro_b128", 128, 128, "c4", 1024),
     AttnShape("c4_flash_prefill_t2048", 2048, 64, "c4", 512, swa_capacity=2048 + 128, extra_capacity=16384),
+] + [  # the heads one rank holds under tensor parallelism (FlashMLA pads them to 64)
+    AttnShape(f"c4_flash_h{h}_b{b}", b, h, "c4", 512) for h in (8, 16, 32) for b in (1, 8, 32, 128)
 ]
 
 
 def flashmla_raw(inp: AttnInputs):
-    """The raw FlashMLA call on pre-sanitised inputs with a scheduler metadata reused across calls."""
+    """The raw FlashMLA call on pre-sanitised inputs with a scheduler metadata reused across calls;
+    q and the sink padded to the 64 or 128 heads FlashMLA runs (zero q rows, -inf sinks)."""
     fm = flashmla.flash_mla_module()
     sched = fm.get_mla_metadata()[0]
     cap = inp.swa.capacity
     idx = torch.where(inp.swa.indices < cap, inp.swa.indices, -1).int().unsqueeze(1)
-    kw = dict(softmax_scale=inp.softmax_scale, is_fp8_kvcache=True, indices=idx, attn_sink=inp.attn_sink,
+    pad = flashmla.padded_heads(inp.q.shape[1]) - inp.q.shape[1]
+    q = torch.nn.functional.pad(inp.q, (0, 0, 0, pad))
+    sink = torch.nn.functional.pad(inp.attn_sink, (0, pad), value=float("-inf"))
+    kw = dict(softmax_scale=inp.softmax_scale, is_fp8_kvcache=True, indices=idx, attn_sink=sink,
               topk_length=inp.swa.lengths.int(), use_legacy=True, kv_format="V4")
     if inp.extra is not None:
         kw.update(extra_k_cache=flashmla.cache_view(inp.extra.cache, inp.extra.page_size),
                   extra_indices_in_kvcache=inp.extra.indices.int().unsqueeze(1),
                   extra_topk_length=inp.extra.lengths.int())
-    q, cache = inp.q.unsqueeze(1), flashmla.cache_view(inp.swa.cache, inp.swa.page_size)
+    q, cache = q.unsqueeze(1), flashmla.cache_view(inp.swa.cache, inp.swa.page_size)
     return lambda: fm.flash_mla_with_kvcache(q, cache, None, None, HEAD_DIM, sched, None, **kw)
 
 

@@ -42,24 +42,34 @@ def choose_splits(num_rows: int, num_head_blocks: int, width: int, block_n: int,
     return max(1, min(num_sms // programs, triton.cdiv(width, block_n)))
 
 
-def choose_tiling(num_rows: int, num_heads: int, width: int, num_sms: int) -> tuple[int, int]:
-    """(heads per program, keys per block) of the fused kernel, from shapes only.
+def few_rows_block_n(num_rows: int, num_heads: int, width: int, num_sms: int) -> int | None:
+    """Keys per block when one or two rows of at most 64 heads over a short key list run as
+    16-head fused programs (one 32- or 64-key block per split covers the list), else None.
 
-    Heads: all of a row's heads up to 64 per program, except for one or two rows of at most 64
-    heads over a short key list (one 32- or 64-key block per split covers it), where the GPU is
-    nearly idle: then 16 heads per program, so four times the programs share the list (the gather
-    repeats per head block; the dots, the accumulator and the partial stores shrink 4x). Keys: 64
-    per block once rows fill the SMs with at most 2 splits (6-14 % faster), else 32.
-
-    H200, µs with 16 / 64 heads per program (FlashMLA): c4 Flash (640 keys) b = 1 11.6 / 14.3
-    (12.3), b = 2 13.6 / 15.8 (12.6); c128 at 128k b = 1 14.4 / 14.9 (14.1); not at 1M (9216
-    keys: 33 / 27, b = 2 64 / 34), b = 4 or 128 heads.
+    There the GPU is nearly idle, so four times the programs share the list (the gather repeats
+    per head block; the dots, the accumulator and the partial stores shrink 4x). H200, µs with 16
+    / 64 heads per program (FlashMLA): c4 Flash (640 keys) b = 1 11.6 / 14.3 (12.3), b = 2 13.6 /
+    15.8 (12.6); c128 at 128k b = 1 14.4 / 14.9 (14.1); not at 1M (9216 keys: 33 / 27, b = 2 64 /
+    34), b = 4 or 128 heads.
     """
     if num_rows <= 2 and num_heads <= MAX_HEAD_BLOCK:
         head_blocks = triton.cdiv(num_heads, MIN_HEAD_BLOCK)
         for block_n in (32, 64):
             if choose_splits(num_rows, head_blocks, width, block_n, num_sms) * block_n >= width:
-                return MIN_HEAD_BLOCK, block_n
+                return block_n
+    return None
+
+
+def choose_tiling(num_rows: int, num_heads: int, width: int, num_sms: int) -> tuple[int, int]:
+    """(heads per program, keys per block) of the fused kernel, from shapes only.
+
+    Heads: 16 per program for the few rows of ``few_rows_block_n``, else all of a row's heads up
+    to 64 per program. Keys: 64 per block once rows fill the SMs with at most 2 splits (6-14 %
+    faster), else 32.
+    """
+    block_n = few_rows_block_n(num_rows, num_heads, width, num_sms)
+    if block_n is not None:
+        return MIN_HEAD_BLOCK, block_n
     head_block = min(MAX_HEAD_BLOCK, max(MIN_HEAD_BLOCK, triton.next_power_of_2(num_heads)))
     splits_32 = choose_splits(num_rows, triton.cdiv(num_heads, head_block), width, 32, num_sms)
     return head_block, 64 if splits_32 <= 2 else 32
@@ -78,14 +88,19 @@ def use_two_pass(num_rows: int, num_head_blocks: int, width: int) -> bool:
     return programs >= 64 or (programs >= 16 and width <= 2048)
 
 
-def choose_path(num_rows: int, num_heads: int, head_block: int, width: int, warp_specialized: bool) -> str:
-    """The path for these shapes, given the fused kernel's heads per program (``choose_tiling``)
-    and whether the warp-specialised kernel runs here (``sparse_attn_warp_specialized.available``):
-    that kernel wherever the fused kernel would use 64-head programs; otherwise the two-pass
-    kernels for many rows (``use_two_pass``) and the fused kernel for few. The 16-head fused
-    programs of one or two rows stay (c4 Flash b=1: 11.5 µs against 12.1 warp-specialised)."""
-    if warp_specialized and head_block == sparse_attn_warp_specialized.HEAD_BLOCK:
+def choose_path(num_rows: int, num_heads: int, width: int, num_sms: int, warp_specialized: bool) -> str:
+    """The path for these shapes, given whether the warp-specialised kernel runs here
+    (``sparse_attn_warp_specialized.available``): the fused kernel's 16-head programs for the few
+    rows of ``few_rows_block_n`` (c4 Flash b = 1: 11.3 µs against 12.0 warp-specialised); else
+    the warp-specialised kernel, whatever the head count (fewer than 64 heads are padded: 8, 16 or
+    32 heads, c4 Flash, b = 8 / 128: 10.0-12.0 / 38.7-43.8 µs, against 16.7-21.7 / 62.6-87.9 for
+    the Triton kernels); without it, the two-pass kernels for many rows (``use_two_pass``) and the
+    fused kernel for few."""
+    if few_rows_block_n(num_rows, num_heads, width, num_sms) is not None:
+        return "fused"
+    if warp_specialized:
         return "warp_specialized"
+    head_block, _ = choose_tiling(num_rows, num_heads, width, num_sms)
     if use_two_pass(num_rows, triton.cdiv(num_heads, head_block), width):
         return "two_pass"
     return "fused"
@@ -109,7 +124,7 @@ def plan(num_rows: int, num_heads: int, width: int, device: torch.device, *, pat
     sms = num_sms(device)
     head_block, block_n = choose_tiling(num_rows, num_heads, width, sms)
     here = sparse_attn_warp_specialized.available(device)
-    path = path or choose_path(num_rows, num_heads, head_block, width, here)
+    path = path or choose_path(num_rows, num_heads, width, sms, here)
     if path not in PATHS:
         raise ValueError(f"launch_sparse_attn: path={path!r}; expected one of {PATHS}")
     if path == "warp_specialized" and not here:

@@ -23,10 +23,11 @@ Everything is decided per row on the device:
   The candidate bucket is small for smooth logit distributions (about n / 256 times the density at
   the threshold); ties or outliers only make step 3 longer, never wrong. Total work O(n) per row,
   spread over ``S2`` programs for the two full passes.
-* Rows of at most ``_ROW_SELECT_MAX_CAPACITY`` entries (the page table's width; 16k tokens of
-  context at ratio 4): ``_row_select_kernel`` (grid ``[T]``) runs the same three passes in one
-  program per row, with the histogram in registers and a barrier before the candidates are read
-  back: one launch instead of three dependent ones, whose fixed cost dominated short rows.
+* Rows of at most ``_ROW_SELECT_MAX_CAPACITY`` entries (the page table's width; 8k tokens of
+  context at ratio 4): ``_row_select_kernel`` (grid ``[T]``) keeps the row's keys in registers
+  and runs the four radix levels of step 3 on all of them (no bucket pass, no candidate list),
+  then emits the selected slots with one ``cumsum``: one launch and one read of the row, where
+  the split passes pay three dependent launches and several memory round trips.
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -44,10 +45,12 @@ _NB = 256
 _BLOCK = 1024  # logits per select iteration (< 2**16: packed cumsum)
 _SELECT_PROGRAMS = 256
 _MAX_SELECT_SPLITS = 64
-# Rows of at most this many entries run the whole select in one program (``_row_select_kernel``):
-# at most 4 blocks a pass, against three dependent launches (the split passes take ~15 µs at one
-# row of 2048 entries on the H200, most of it the launches' fixed cost).
-_ROW_SELECT_MAX_CAPACITY = 4 * _BLOCK
+# Rows of at most this many entries run the whole select in one program (``_row_select_kernel``),
+# their logits held in registers. H200, ``indexer_topk`` µs (scan included) at b = 1 / 32 / 256,
+# one program against the split passes: 2048 entries 14.6 / 16.1 / 40.2 against 18.7 / 21.3 /
+# 49.6; 4096 entries 17.8 / 29.7 / 71.9 against 19.4 / 23.3 / 79.9 (its four full-row histograms
+# cost more than the split passes' one once the row is long).
+_ROW_SELECT_MAX_CAPACITY = 2048
 
 
 @triton.jit
@@ -197,41 +200,59 @@ def _ordered_key(x):
 
 
 @triton.jit
+def _digit_hist(key, match, prefix, level: tl.constexpr, NB: tl.constexpr):
+    """256-bin histogram (highest digit first) of digit ``level`` (8 bits, 0 = most significant)
+    of the keys ``match``-ing whose higher digits equal ``prefix``."""
+    if level == 0:
+        digit = (key >> 24) + 128  # signed top byte -> [0, 256)
+    else:
+        shift: tl.constexpr = 24 - 8 * level
+        digit = (key >> shift) & 0xFF
+        match = match & ((key >> (shift + 8)) == prefix)
+    return tl.histogram(NB - 1 - digit, NB, mask=match)
+
+
+@triton.jit
+def _narrow(hist, need, prefix, level: tl.constexpr, NB: tl.constexpr):
+    """From digit ``level``'s histogram: ``(need, prefix)`` of the ``need``-th largest key, its
+    rank among the keys sharing the prefix extended by its digit, and that prefix."""
+    i, skipped = _threshold_bin(hist, need, NB)
+    return need - skipped, prefix * NB + (NB - 1 - i) - (128 if level == 0 else 0)
+
+
+@triton.jit
+def _take(key, match, threshold, need, ties):
+    """The ``match``-ing keys selected: those above ``threshold`` and the first ``need`` equal to
+    it, ``ties`` equal ones counted before these; returns the mask and ``ties`` advanced."""
+    eq = match & (key == threshold)
+    take = (match & (key > threshold)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+    return take, ties + tl.sum(eq.to(tl.int32), 0)
+
+
+@triton.jit
 def _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand, topk, num_pages,
                        NB: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr):
     """Exact radix select of the ``topk - above`` largest logits among the ``num_cand`` candidates
     ``cand_row``; their slots to ``out_row[above:]``. Returns the count of slots now in ``out_row``."""
     need = topk - above
     prefix = 0
-    for level in tl.static_range(4):  # 8 bits of the key per level, most significant first
-        shift = 24 - 8 * level
+    for level in tl.static_range(4):
         hist = tl.zeros([NB], dtype=tl.int32)
         for c0 in range(0, num_cand, BLOCK):
             c = c0 + tl.arange(0, BLOCK)
             key = _ordered_key(tl.load(workspace_row + tl.load(cand_row + c, mask=c < num_cand, other=0)))
-            if level == 0:
-                digit = (key >> 24) + 128  # signed top byte -> [0, 256)
-                match = c < num_cand
-            else:
-                digit = (key >> shift) & 0xFF
-                match = (c < num_cand) & ((key >> (shift + 8)) == prefix)
-            hist += tl.histogram(NB - 1 - digit, NB, mask=match)
-        i, skipped = _threshold_bin(hist, need, NB)
-        need -= skipped
-        prefix = prefix * NB + (NB - 1 - i) - (128 if level == 0 else 0)
-    # prefix is now the threshold key; take keys above it and the first `need` equal ones
+            hist += _digit_hist(key, c < num_cand, prefix, level, NB)
+        need, prefix = _narrow(hist, need, prefix, level, NB)
+    # prefix is now the threshold key
     filled = above
-    ties = 0
+    ties = tl.zeros_like(need)
     for c0 in range(0, num_cand, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         j = tl.load(cand_row + c, mask=c < num_cand, other=0)
-        key = _ordered_key(tl.load(workspace_row + j))
-        eq = (c < num_cand) & (key == prefix)
-        take = ((c < num_cand) & (key > prefix)) | (eq & (ties + tl.cumsum(eq.to(tl.int32), 0) <= need))
+        take, ties = _take(_ordered_key(tl.load(workspace_row + j)), c < num_cand, prefix, need, ties)
         pos = filled + tl.cumsum(take.to(tl.int32), 0) - 1
         tl.store(out_row + pos, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
         filled += tl.sum(take.to(tl.int32), 0)
-        ties += tl.sum(eq.to(tl.int32), 0)
     return filled
 
 
@@ -264,27 +285,29 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
 
 
 @triton.jit
-def _row_select_kernel(workspace_ptr, mm_ptr, vis_ptr, pt_ptr, out_ptr, cand_ptr, row0, capacity, num_pages, topk,
-                       num_splits, stride_workspace, stride_pt, stride_out, S_P2: tl.constexpr, NB: tl.constexpr,
-                       BLOCK: tl.constexpr, PAGE: tl.constexpr, PDL: tl.constexpr):
-    """The three passes of one row in one program (grid ``[T]``): for short rows, whose passes are
-    a few blocks each, where three launches would cost more than the work."""
+def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, num_pages, topk, stride_workspace,
+                       stride_pt, stride_out, NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
+                       PAGE: tl.constexpr, PDL: tl.constexpr):
+    """A whole row's select in one program (grid ``[T]``), for rows of at most ``CAP`` logits:
+    the row's keys stay in registers through the four radix levels and the final emit, so the
+    only memory round trips are one load of the row, the page-table reads of the selected
+    entries and their stores."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
     filled = n
     if n > topk:
-        workspace_row = workspace_ptr + r.to(tl.int64) * stride_workspace
-        cand_row = cand_ptr + r.to(tl.int64) * stride_workspace
-        lo, scale = _row_range(mm_ptr, r, num_splits, S_P2, NB)
-        b_star, _ = _threshold_bin(_bucket_hist(workspace_row, 0, n, lo, scale, NB, BLOCK), topk, NB)
-        zero = tl.zeros_like(n)  # offsets carried through the loop as tensors, not constants
-        above, num_cand = _emit_bucket(workspace_row, cand_row, pt_row, out_row, 0, n, lo, scale, b_star, zero, zero,
-                                       num_pages, NB, BLOCK, PAGE)
-        tl.debug_barrier()  # the candidates' indices, stored by every thread, are read by all below
-        filled = _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand, topk, num_pages,
-                                    NB, BLOCK, PAGE)
+        j = tl.arange(0, CAP)
+        visible = j < n
+        key = _ordered_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
+        need = topk
+        prefix = 0
+        for level in tl.static_range(4):
+            need, prefix = _narrow(_digit_hist(key, visible, prefix, level, NB), need, prefix, level, NB)
+        take, _ = _take(key, visible, prefix, need, 0)
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
+        filled = topk
     _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
 
 
@@ -310,14 +333,16 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
                                       workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
+    if capacity <= _ROW_SELECT_MAX_CAPACITY:
+        cap = triton.next_power_of_2(capacity)
+        _row_select_kernel[(rows,)](workspace, visible, page_table, out, row0, capacity, num_pages, topk,
+                                    workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB, CAP=cap,
+                                    BLOCK=_BLOCK, PAGE=page, PDL=pdl, num_warps=min(16, max(4, cap // 512)),
+                                    launch_pdl=pdl)
+        return
     num_splits = minmax.shape[1]
     s_p2 = triton.next_power_of_2(num_splits)
     cand = torch.empty(workspace.shape, dtype=torch.int32, device=workspace.device)  # workspace's row stride
-    if capacity <= _ROW_SELECT_MAX_CAPACITY:
-        _row_select_kernel[(rows,)](workspace, minmax, visible, page_table, out, cand, row0, capacity, num_pages, topk,
-                                    num_splits, workspace.stride(0), page_table.stride(0), out.stride(0), S_P2=s_p2,
-                                    NB=_NB, BLOCK=_BLOCK, PAGE=page, PDL=pdl, num_warps=4, launch_pdl=pdl)
-        return
     num_sel = max(1, min(triton.cdiv(capacity, _BLOCK), triton.cdiv(_SELECT_PROGRAMS, rows),
                          _MAX_SELECT_SPLITS))
     hist = torch.empty(rows, num_sel, _NB, dtype=torch.int32, device=workspace.device)

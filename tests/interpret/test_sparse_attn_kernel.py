@@ -119,12 +119,13 @@ PATH_CASES = [
     (7, 128, 1152, "warp_specialized", "fused"),  # 14 pairs: too few for the two-pass kernels
     (16, 64, 8320, "warp_specialized", "fused"),  # 16 pairs over a long list
     (64, 64, 8320, "warp_specialized", "two_pass"),  # 64 pairs
-    (130, 8, 640, "two_pass", "two_pass"),  # 8 heads run as 16-head blocks: never warp-specialised
+    (130, 8, 640, "warp_specialized", "two_pass"),  # 8 heads, padded to 64 by the warp-specialised kernel
+    (8, 32, 640, "warp_specialized", "fused"),  # 32 heads, 8 (row, head block) pairs
+    (2, 16, 640, "fused", "fused"),  # two rows of 16 heads over a short list
 ]
 
 
 @pytest.mark.parametrize("rows, heads, width, where_available, elsewhere", PATH_CASES)
 def test_choose_path(rows, heads, width, where_available, elsewhere):
-    head_block, _ = dispatch.choose_tiling(rows, heads, width, 132)
-    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=True) == where_available
-    assert dispatch.choose_path(rows, heads, head_block, width, warp_specialized=False) == elsewhere
+    assert dispatch.choose_path(rows, heads, width, 132, warp_specialized=True) == where_available
+    assert dispatch.choose_path(rows, heads, width, 132, warp_specialized=False) == elsewhere
