@@ -28,6 +28,8 @@ Ways (the same model and weights):
     compiled_unfused_linears  compiled without ``FuseSharedInputLinearsPass`` (each projection
                    its own cuBLAS call, not one ``dsv4::linears`` launch per activation); not in
                    the default ``--ways``
+    compiled_unfused_norm_rope  compiled without ``FuseNormRopePass`` (each query / key norm +
+                   RoPE as Inductor compiles it); not in the default ``--ways``
     compiled_lean  compiled with ``model_guards=False`` (no Dynamo guards on the model's
                    parameters: less host time per call); not in the default ``--ways``
 
@@ -68,7 +70,7 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import DSV4PassManager, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSharedInputLinearsPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -76,7 +78,9 @@ from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps, wall_call
 from dsv4_compile.testing.random_model import random_hf_model
 
-WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", "compiled_unfused_linears", "compiled_lean")
+# compiled with the default passes less one
+WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass}
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -440,10 +444,10 @@ def run(args) -> dict:
         backend.model.set_experts_implementation("grouped_mm")
         measure_backend(backend, "compiled_grouped", compile_step(backend, mode="reduce-overhead"), args, results)
         backend.model.set_experts_implementation(own)
-    if "compiled_unfused_linears" in args.ways:
-        passes = DSV4PassManager([p for p in default_passes() if not isinstance(p, FuseSharedInputLinearsPass)])
-        measure_backend(backend, "compiled_unfused_linears",
-                        compile_step(backend, mode="reduce-overhead", passes=passes), args, results)
+    for way, left_out in WITHOUT_PASS.items():
+        if way in args.ways:
+            passes = DSV4PassManager([p for p in default_passes() if not isinstance(p, left_out)])
+            measure_backend(backend, way, compile_step(backend, mode="reduce-overhead", passes=passes), args, results)
     if "compiled_lean" in args.ways:
         measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),
                         args, results)

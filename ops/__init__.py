@@ -8,4 +8,5 @@ the Triton launcher registered as the CUDA kernel.
 if __name__ != "dsv4_compile.ops":  # the top-level ops/ folder installs as dsv4_compile.ops only
     raise ImportError(f"import dsv4_compile.ops, not {__name__!r}")
 
-from . import compressor, experts, hyper_connection, indexer, kv_cache, linear, metadata, sparse_attn  # noqa: E402,F401
+from . import (compressor, experts, hyper_connection, indexer, kv_cache, linear, metadata, norm_rope,  # noqa: E402,F401
+               sparse_attn)

@@ -1,4 +1,5 @@
-"""Small math shared by the references, the layer and the oracle: RMSNorm, RoPE, Walsh-Hadamard,
+"""Small math shared by the references, the layer and the oracle: RMSNorm, RoPE (and the two
+fused, ``dsv4::rms_norm_rope``), Walsh-Hadamard,
 and the bounded gather every reference reads index maps, rings and caches through.
 
 All compute in fp32 and return the input dtype unless stated.
@@ -56,6 +57,23 @@ def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
     rope_dim = 2 * inv_freq.shape[-1]
     return torch.cat([x[..., :-rope_dim], apply_rope(x[..., -rope_dim:], positions, inv_freq, inverse)],
                      dim=-1)
+
+
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, round_scale: bool,
+                  positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RMSNorm over the last dim, then RoPE on its last ``2 * len(inv_freq)`` dims at each
+    token's position: a layer's query (per head) and key before they are cached or attended.
+
+    x: [T, D] or [T, H, D]; positions: [T] int (one per token, shared by its heads); weight: [D]
+    or None. ``round_scale`` (no weight): the scale ``rsqrt(mean(x^2) + eps)`` is rounded to x's
+    dtype and multiplied in it, as ``transformers``' unweighted DeepSeek V4 norm does; otherwise
+    :func:`rms_norm`.
+    """
+    if round_scale:
+        y = x * torch.rsqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps).to(x.dtype)
+    else:
+        y = rms_norm(x, weight, eps)
+    return rope_tail(y, positions.view(-1, *[1] * (x.dim() - 2)), inv_freq)
 
 
 def hadamard_matrix(n: int, device: torch.device) -> torch.Tensor:

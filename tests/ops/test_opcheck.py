@@ -148,6 +148,17 @@ def test_linears(rows):
     _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
 
 
+def _norm_rope_args(tokens: int, weight: bool) -> tuple:
+    return (torch.randn(tokens, 3, 128).bfloat16(), torch.rand(128) + 0.5 if weight else None, 1e-6, not weight,
+            torch.arange(tokens) * 7, torch.rand(16))
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_rms_norm_rope(tokens, weight):
+    _opcheck(ops.rms_norm_rope, _norm_rope_args(tokens, weight))
+
+
 def _calls(state) -> dict[str, tuple]:
     """One valid call of every op of this library: op name -> arguments."""
     eng, cache, steps, metas = state
@@ -182,6 +193,7 @@ def _calls(state) -> dict[str, tuple]:
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
+        "rms_norm_rope": _norm_rope_args(3, True),
         **_hyper_connection_args(3),
     }
 
@@ -189,8 +201,8 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "hc_pre", "hc_head",
-           "hc_post"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "rms_norm_rope", "hc_pre",
+           "hc_head", "hc_post"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)

@@ -1,0 +1,59 @@
+"""RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``.
+
+The model does not call the op: a compiled step gets it from ``FuseNormRopePass``
+(``fx_passes/fuse_norm_rope.py``), which finds a layer's query norm + RoPE (per head) and key norm
++ RoPE in the graph and replaces each chain by one call. On CUDA that is one Triton launch
+(``ops/kernels/norm_rope.py``); elsewhere the reference, the unfused math.
+
+Shape legend: T tokens, H heads, D = row length, R = RoPE dims (2 x len(inv_freq)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..reference import functional as ref
+from ._checks import check_devices, check_tensor
+from ._library import HAS_TRITON, dsv4_op
+
+if HAS_TRITON:
+    from .kernels import norm_rope as kernels
+
+DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq) -> None:
+    op = "rms_norm_rope"
+    check_tensor(op, "x", x, dtypes=DTYPES)
+    if x.dim() not in (2, 3):
+        raise ValueError(f"dsv4.{op}: x must be [T, D] or [T, H, D], got shape {tuple(x.shape)}")
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
+        raise ValueError(f"dsv4.{op}: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of x's "
+                         f"last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+    if inv_freq.shape[0] & (inv_freq.shape[0] - 1):
+        raise ValueError(f"dsv4.{op}: inv_freq must have a power-of-two length, got {inv_freq.shape[0]}")
+    check_tensor(op, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=1, shape=(x.shape[0],))
+    if weight is not None:
+        check_tensor(op, "weight", weight, dtypes=(torch.float32, x.dtype), ndim=1, shape=(x.shape[-1],))
+        if round_scale:
+            raise ValueError(f"dsv4.{op}: round_scale is the unweighted norm's rounding; weight must be None")
+    check_devices(op, x=x, weight=weight, positions=positions, inv_freq=inv_freq)
+
+
+def _rms_norm_rope_fake(x, weight, eps, round_scale, positions, inv_freq):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@dsv4_op("rms_norm_rope", check=_check_rms_norm_rope, fake=_rms_norm_rope_fake,
+         cuda=kernels.launch_rms_norm_rope if HAS_TRITON else None)
+def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, round_scale: bool,
+                  positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """RMSNorm of x's rows, then RoPE on their last R dims at each token's position.
+
+    x: [T, D] or [T, H, D] bf16 / fp16; weight: [D] fp32 or x's dtype, or None; positions: [T]
+    int32 / int64; inv_freq: [R / 2] fp32, R / 2 a power of two. ``round_scale`` (weight None):
+    the scale is rounded to x's dtype before the product (``transformers``' unweighted norm).
+    Returns x's shape and dtype, contiguous (``reference.functional.rms_norm_rope``).
+    """
+    return ref.rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq).contiguous()

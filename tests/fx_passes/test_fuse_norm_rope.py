@@ -1,0 +1,126 @@
+"""FuseNormRopePass: a layer's RMSNorm + RoPE chains become ``dsv4::rms_norm_rope`` nodes, with the
+same results.
+
+Functions holding each matched chain (``transformers``' two DeepSeek V4 norms and the reference
+norm, weighted or not, on keys ``[T, D]`` and queries ``[T, H, D]``) are compiled with Inductor and
+the pass, told to match CPU tensors (by default it matches CUDA ones only, where the op is one
+launch). On the CPU the op is the reference, the unfused math, so with Inductor rounding where
+eager rounds the outputs equal eager ones bit for bit."""
+
+import pytest
+import torch
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
+
+from dsv4_compile.compile import compile_step
+from dsv4_compile.export import EXACT_NUMERICS
+from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSinkhornPass, FuseStepMetadataPass
+from dsv4_compile.model import enable
+from dsv4_compile.reference.functional import apply_rope, rms_norm, rope_tail
+from dsv4_compile.step import ForwardMode, StepInputs
+from tests.support.compile_checks import fresh_compile_state
+from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+
+FUSED = "dsv4.rms_norm_rope.default"
+EPS = 1e-5  # not the patterns' traced eps: the pattern takes the graph's
+
+
+def _compiled(fn, *args, devices=("cpu",)):
+    """(matches, the graph's dsv4 ops, eager outputs, compiled outputs) of ``fn`` at ``args``."""
+    fuse = FuseNormRopePass(devices)
+    with torch.no_grad(), fresh_compile_state():
+        got = torch.compile(fn, fullgraph=True, options={"post_grad_custom_post_pass": fuse, **EXACT_NUMERICS})(*args)
+        want = fn(*args)
+    return fuse.matched_count, fuse.last_ops, want, got
+
+
+def _inputs(heads: int | None, dim: int = 256):
+    gen = torch.Generator().manual_seed(heads or 0)
+    shape = (5, dim) if heads is None else (5, heads, dim)
+    return (torch.randn(shape, generator=gen).bfloat16(), torch.arange(5) * 37 + 11,
+            10000.0 ** (-torch.arange(0, 64, 2).float() / 64))
+
+
+def _at_tokens(positions, x):
+    return positions if x.dim() == 2 else positions.unsqueeze(1)
+
+
+HF_WEIGHTED = DeepseekV4RMSNorm(256, eps=EPS)
+with torch.no_grad():
+    HF_WEIGHTED.weight.copy_(torch.rand(256, generator=torch.Generator().manual_seed(3)) + 0.5)
+HF_WEIGHTED.requires_grad_(False)
+NORMS = {
+    "transformers weighted": HF_WEIGHTED,
+    "transformers unweighted": DeepseekV4UnweightedRMSNorm(eps=EPS),
+    "reference weighted": lambda x: rms_norm(x, HF_WEIGHTED.weight, EPS),
+    "reference weighted bf16": lambda x: rms_norm(x, HF_WEIGHTED.weight.bfloat16(), EPS),
+    "reference unweighted": lambda x: rms_norm(x, None, EPS),
+}
+
+
+@pytest.mark.parametrize("heads", [None, 4])
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_norm_then_rope_fused(norm, heads):
+    """Each norm, then RoPE on the last 64 dims at the tokens' positions: one op node."""
+    x, positions, inv_freq = _inputs(heads)
+    fn = NORMS[norm]
+    matches, ops, want, got = _compiled(lambda x, p, f: rope_tail(fn(x), _at_tokens(p, x), f), x, positions, inv_freq)
+    assert (matches, ops) == (1, [FUSED])
+    assert torch.equal(got, want)
+
+
+def test_query_and_key_of_one_layer():
+    """A layer's query (per head, unweighted) and key (weighted) chains, at the same positions: two nodes."""
+    q, positions, inv_freq = _inputs(4)
+    k, _, _ = _inputs(None)
+    q_norm = NORMS["transformers unweighted"]
+
+    def fn(q, k, p, f):
+        return rope_tail(q_norm(q), p.unsqueeze(1), f), rope_tail(HF_WEIGHTED(k), p, f)
+
+    matches, ops, want, got = _compiled(fn, q, k, positions, inv_freq)
+    assert (matches, ops) == (2, [FUSED, FUSED])
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("case", ["rope-elsewhere", "norm-over-heads", "no-norm", "fp32", "cuda-only"])
+def test_other_chains_left_alone(case):
+    """RoPE on other dims than the last 64, a norm over another dim, RoPE without a norm, fp32 rows,
+    and a pass that matches CUDA tensors only: nothing replaced (Inductor may still reorder fp32 math)."""
+    x, positions, inv_freq = _inputs(4)
+    norm = NORMS["transformers unweighted"]
+    fn, devices = {
+        "rope-elsewhere": (lambda x, p, f: torch.cat([apply_rope(norm(x)[..., :64], p[:, None], f),
+                                                      norm(x)[..., 64:]], -1), ("cpu",)),
+        "norm-over-heads": (lambda x, p, f: rope_tail(norm(x.transpose(1, 2)).transpose(1, 2), p[:, None], f),
+                            ("cpu",)),
+        "no-norm": (lambda x, p, f: rope_tail(x, p[:, None], f), ("cpu",)),
+        "fp32": (lambda x, p, f: rope_tail(norm(x.float()), p[:, None], f), ("cpu",)),
+        "cuda-only": (lambda x, p, f: rope_tail(norm(x), p[:, None], f), ("cuda",)),
+    }[case]
+    matches, ops, want, got = _compiled(fn, x, positions, inv_freq, devices=devices)
+    assert (matches, ops) == (0, [])
+    torch.testing.assert_close(got, want)
+
+
+def test_uuid_follows_the_devices():
+    assert FuseNormRopePass(("cpu",)).uuid() != FuseNormRopePass().uuid()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
+@torch.no_grad()
+def test_model_step_fuses_each_layers_query_and_key():
+    """compile_step of a 3-layer model (sliding, CSA, HCA) with this pass: each layer's query and
+    key chains fuse (6 nodes), and the logits are the eager backend's, bit for bit."""
+    config = tiny_hf_config(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
+                                                              "heavily_compressed_attention"])
+    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
+    fuse = FuseNormRopePass(("cpu",))
+    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
+    row = backend.allocator.admit()
+    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    want = backend(ids, step, torch.arange(6)).float()
+    with fresh_compile_state():
+        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse])
+        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
+    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 6
+    assert torch.equal(got, want)

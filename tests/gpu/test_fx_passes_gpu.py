@@ -1,0 +1,49 @@
+"""Model-level passes on the GPU: a decode step of the 4-layer test model compiled with the default
+passes against the same step compiled with them less one pass. Each pass matches its count and
+the logits agree within bf16 rounding (the fused ops round and sum in other orders)."""
+
+import pytest
+import torch
+
+from dsv4_compile.compile import compile_step
+from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes.pass_manager import default_passes
+from dsv4_compile.model import enable
+from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.testing.random_model import random_hf_model
+from tests.gpu.test_model_gpu import _tiny_config
+from tests.support.compile_checks import fresh_compile_state
+
+pytestmark = pytest.mark.gpu
+
+# pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers x 2 groups,
+# + the 2 CSA layers' query latents); the norm + RoPE chains (4 layers x query and key)
+MATCHES = [(FuseSharedInputLinearsPass, 10), (FuseNormRopePass, 8)]
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("pass_type, matches", MATCHES, ids=[t.__name__ for t, _ in MATCHES])
+@torch.no_grad()
+def test_compiled_model_step_with_and_without(pass_type, matches):
+    backend = enable(random_hf_model(_tiny_config(), seed=0, device="cuda"), max_requests=2, max_seq_len=512)
+    rows = [backend.allocator.admit(), backend.allocator.admit()]
+    prompt = StepInputs.make(ForwardMode.EXTEND, rows, [40, 30], [40, 30],
+                             torch.cat([backend.allocator.extend(r, n) for r, n in zip(rows, (40, 30))]), device="cuda")
+    ids = torch.randint(0, 512, (70,), device="cuda")
+    backend(ids, prompt, torch.tensor([39, 69], device="cuda"))
+    decode = StepInputs.make(ForwardMode.DECODE, rows, [41, 31], [1, 1],
+                             torch.cat([backend.allocator.extend(r, 1) for r in rows]), device="cuda")
+    tokens, logit_rows = ids[:2], torch.arange(2, device="cuda")
+    outs = {}
+    fused = default_passes()
+    tested = [p for p in fused if isinstance(p, pass_type)]
+    assert len(tested) == 1
+    for name, chosen in (("fused", fused), ("unfused", [p for p in fused if p not in tested])):
+        saved = [t.clone() for t in backend.cache.buffers()]
+        with fresh_compile_state():
+            outs[name] = compile_step(backend, passes=DSV4PassManager(chosen))(tokens, decode, logit_rows).float()
+        for t, s in zip(backend.cache.buffers(), saved):
+            t.copy_(s)
+    assert tested[0].matched_count == matches
+    scale = outs["unfused"].abs().max().item()
+    torch.testing.assert_close(outs["fused"], outs["unfused"], atol=0.05 * scale, rtol=0)
