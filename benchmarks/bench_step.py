@@ -1,7 +1,8 @@
-"""Per-step latency of one multi-layer DSV4 decode step, four ways, side by side in one run.
+"""Per-step latency of one multi-layer DSV4 decode step, five ways, side by side in one run.
 
 Usage:
     python benchmarks/bench_step.py --out step.json            # on a CUDA machine
+    python benchmarks/bench_step.py --ways compile-step --profile --out step.json   # where the time goes
     python benchmarks/bench_step.py --plot step.json --png step.png   # plot a saved run (any machine)
 
 Ways (the same stack, cache and step tensors):
@@ -9,6 +10,8 @@ Ways (the same stack, cache and step tensors):
     compile          torch.compile(stack, fullgraph=True) (no CUDA graphs)
     reduce-overhead  torch.compile(stack, mode="reduce-overhead", fullgraph=True): CUDA-graph
                      trees, metadata recomputed inside the graph, no bookkeeping
+    compile-step     dsv4_compile.compile_step(stack, mode="reduce-overhead"), as users compile it:
+                     the default FX passes, dynamic shapes, device checks
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -16,7 +19,11 @@ Requests are admitted to a :class:`dsv4_compile.engine.Engine` and each holds ``
 (pages allocated through the engine's PageAllocator, cache pages filled with valid FP8 entries);
 the timed step, built by the engine and then rolled back so the context stays fixed, decodes one
 token per request. Time per step is the median over CUDA-event-timed iterations (inputs copied in
-for manual-graph; the compiled function copies its own).
+for manual-graph; the compiled function copies its own). The weight floor is the stack's parameter
+bytes at ``--hbm-tbps``; "TB/s" those bytes over the step time. ``--profile`` adds, per graph way,
+``torch.profiler`` figures over ``--iters`` back-to-back steps: wall µs per step, GPU busy µs (summed
+kernel times), host overhead (their difference: the time the GPU waits for the host) and kernels
+per step.
 """
 
 from __future__ import annotations
@@ -28,8 +35,12 @@ import statistics
 import torch
 
 from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardMode, StepInputs
+from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
+from dsv4_compile.testing.bench import profile_steps
+
+GRAPH_WAYS = ("reduce-overhead", "compile-step", "manual-graph")  # the ways --profile profiles
 
 
 def parse_args():
@@ -38,8 +49,10 @@ def parse_args():
     p.add_argument("--layers", default="0,4,128", help="compress ratios of the benchmarked stack")
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--context", default="4096,131072")
-    p.add_argument("--ways", default="eager,compile,reduce-overhead,manual-graph")
+    p.add_argument("--ways", default="eager,compile,reduce-overhead,compile-step,manual-graph")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--profile", action="store_true", help="also profile each graph way (wall, GPU busy, kernels)")
+    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="plot a saved JSON instead of running")
     p.add_argument("--png", default="bench_step.png")
@@ -137,21 +150,35 @@ def run(args) -> list[dict]:
         stack = engine.stack
         compiled = {"compile": torch.compile(stack, fullgraph=True, dynamic=False),
                     "reduce-overhead": torch.compile(stack, mode="reduce-overhead", fullgraph=True,
-                                                     dynamic=False)}
+                                                     dynamic=False),
+                    "compile-step": compile_step(stack, mode="reduce-overhead")}
+        weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
+        floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:
             x, step = _decode_step(engine, rows[:b])
             row = {"context": context, "batch": b}
             for way in ways:
                 if way == "eager":
-                    fn = lambda: stack(x, step, validate=False)  # noqa: E731
+                    fn = lambda s=stack: s(x, step, validate=False)  # noqa: E731
                 elif way == "manual-graph":
                     fn = _manual_graph(stack, x, step)
                 else:
                     fn = lambda c=compiled[way]: c(x, step)  # noqa: E731
                 row[way] = _time(fn, args.iters)
+                row[f"{way}_tbps"] = weight_bytes / row[way] / 1e6
+                if args.profile and way in GRAPH_WAYS:
+                    prof = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
+                    row[f"{way}_profile"] = prof
+            row["floor_us"] = floor_us
             base = row.get("manual-graph")
-            print(f"ctx {context:>7} b {b:>4}  " + "  ".join(
+            print(f"ctx {context:>7} b {b:>4}  floor {floor_us:.1f}us  " + "  ".join(
                 f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
+            for way in ways:
+                if (prof := row.get(f"{way}_profile")) is not None:
+                    print(f"    {way}: wall {prof['wall_us']:.1f}us, GPU busy {prof['gpu_busy_us']:.1f}us, host "
+                          f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
+                          + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
+                          flush=True)
             results.append(row)
         del stack, engine, compiled
         torch._dynamo.reset()
@@ -164,7 +191,7 @@ def plot(results: list[dict], png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     contexts = sorted({r["context"] for r in results})
-    ways = [k for k in results[0] if k not in ("context", "batch")]
+    ways = [k for k in results[0] if k not in ("context", "batch", "floor_us") and not k.endswith(("_tbps", "_profile"))]
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         rows = [r for r in results if r["context"] == ctx]
