@@ -32,6 +32,9 @@ Ways (the same model and weights):
                    RoPE as Inductor compiles it); not in the default ``--ways``
     compiled_lean  compiled with ``model_guards=False`` (no Dynamo guards on the model's
                    parameters: less host time per call); not in the default ``--ways``
+    compiled_step_graphs  compiled with ``cuda_graphs="step"``: the whole step captured as one CUDA
+                   graph per input signature, replayed without entering Dynamo; not in the default
+                   ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -50,6 +53,10 @@ Measured:
                the embedding table (b rows of it are read), and of each MoE layer's routed experts
                the expected number a batch of b uniformly routed tokens reaches; the floors divide
                all parameter bytes, and the bytes read, by ``--hbm-tbps``
+    --host     per compiled way and decode batch: the host's own µs per step with the GPU kept busy
+               (``testing.bench.host_us_per_call``), and the µs per step of a loop that reads each
+               step's next tokens on the host before it issues the next step (as a generation loop
+               checking stop tokens does: host time and GPU time add up)
 """
 
 from __future__ import annotations
@@ -75,12 +82,13 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import compiled_ratios, header, profile_steps, wall_call
+from dsv4_compile.testing.bench import compiled_ratios, header, host_us_per_call, profile_steps, wall_call
 from dsv4_compile.testing.random_model import random_hf_model
 
 # compiled with the default passes less one
 WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass}
-WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean")
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean",
+        "compiled_step_graphs")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -121,6 +129,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--profile", action="store_true",
                    help="profile the compiled decode steps: GPU busy time, host overhead, kernels per step")
+    p.add_argument("--host", action="store_true",
+                   help="compiled decode: host µs per step (GPU kept busy) and µs per step read back on the host")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
     p.add_argument("--out", help="write the results as JSON")
     p.add_argument("--plot", help="write a PNG of the results")
@@ -289,29 +299,35 @@ def decode_steps(backend: ModelBackend, rows: list[int], count: int) -> list[Ste
                             device=device) for k in range(count)]
 
 
-def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, args, profile: bool = False
-                      ) -> tuple[float, dict | None]:
+def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, args, profile: bool = False,
+                      host: bool = False) -> tuple[float, dict]:
     """µs per decode step of ``fn`` after filling one request per prompt of ``tokens [b, P]``, and
-    with ``profile`` the :func:`profile_steps` figures of as many further steps."""
+    extra figures over further steps: with ``profile`` ``"profile"`` (:func:`profile_steps`), with
+    ``host`` ``"host_us"`` (the host's µs per step, the GPU kept busy) and ``"synced_us"`` (µs per
+    step when each step's tokens are read on the host before the next step is issued)."""
     b = tokens.shape[0]
     rows, ids = fill(backend, tokens, args.fill_tokens)
-    steps = decode_steps(backend, rows, args.warmup + args.steps * (2 if profile else 1))
+    steps = iter(decode_steps(backend, rows, args.warmup + args.steps * (1 + profile + 2 * host)))
     out_rows = logit_rows(list(range(b)), tokens.device)
 
-    def run(some):
+    def run(count: int, synced: bool = False) -> None:
         nonlocal ids
-        for step in some:
-            ids = greedy_tokens(fn(ids, step, out_rows)[:b])
+        for _ in range(count):
+            ids = greedy_tokens(fn(ids, next(steps), out_rows)[:b])
+            if synced:
+                ids.tolist()
 
-    run(steps[:args.warmup])
-    timed = steps[args.warmup:args.warmup + args.steps]
-    us = 1e3 * elapsed_ms(lambda: run(timed), tokens.device) / args.steps
-    profiled = None
+    run(args.warmup)
+    us = 1e3 * elapsed_ms(lambda: run(args.steps), tokens.device) / args.steps
+    extra = {}
     if profile:
-        profiled = profile_steps(lambda n: run(steps[-n:]), args.steps, top=None)
+        extra["profile"] = profile_steps(run, args.steps, top=None)
+    if host:
+        extra["host_us"] = host_us_per_call(lambda: run(1), args.steps)
+        extra["synced_us"] = 1e3 * elapsed_ms(lambda: run(args.steps, synced=True), tokens.device) / args.steps
     for r in rows:
         backend.allocator.free(r)
-    return us, profiled
+    return us, extra
 
 
 def make_backend(model, args, batches: list[int]) -> ModelBackend:
@@ -391,10 +407,15 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
         _report("prefill", b, way, ms, "ms")
     for b in _ints(args.batches):
         tokens = prompts(backend.model.config, b, args.prompt_len, args.seed, device)
-        profile = args.profile and way.startswith("compiled") and device.type == "cuda"
-        results["decode"][b][way], profiled = backend_decode_us(backend, fn, tokens, args, profile)
+        compiled_cuda = way.startswith("compiled") and device.type == "cuda"
+        results["decode"][b][way], extra = backend_decode_us(backend, fn, tokens, args, args.profile and compiled_cuda,
+                                                             args.host and compiled_cuda)
         _report("decode", b, way, results["decode"][b][way], "us/step")
-        if profiled:
+        if "host_us" in extra:
+            results.setdefault("host", {}).setdefault(way, {})[b] = {k: extra[k] for k in ("host_us", "synced_us")}
+            print(f"host     b {b:>3} {way}: {extra['host_us']:.1f} us of host time a step (GPU kept busy); "
+                  f"{extra['synced_us']:.1f} us a step read back on the host", flush=True)
+        if profiled := extra.get("profile"):
             results.setdefault("profile", {}).setdefault(way, {})[b] = profiled
             print(f"profile  b {b:>3} {way}: wall {profiled['wall_us']:.0f} us, GPU busy "
                   f"{profiled['gpu_busy_us']:.0f} us, {profiled['kernels']:.0f} kernels/step; top kernels:", flush=True)
@@ -451,6 +472,9 @@ def run(args) -> dict:
     if "compiled_lean" in args.ways:
         measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),
                         args, results)
+    if "compiled_step_graphs" in args.ways:
+        measure_backend(backend, "compiled_step_graphs",
+                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
     return summarize(results, model.config, args)
 
 
@@ -473,6 +497,7 @@ def summarize(results: dict, config: DeepseekV4Config, args) -> dict:
     return {**header(args.device, args), "weights": parts, "compile": results["compile"],
             "hf_experts_implementation": results.get("hf_experts_implementation"),
             "compiled_counters": results.get("compiled_counters"), "profile": results.get("profile"),
+            "host": results.get("host"),
             "prefill": prefill, "decode": decode}
 
 

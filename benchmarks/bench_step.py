@@ -3,6 +3,7 @@
 Usage:
     python benchmarks/bench_step.py --out step.json            # on a CUDA machine
     python benchmarks/bench_step.py --ways compile-step --profile --out step.json   # where the time goes
+    python benchmarks/bench_step.py --ways compile-step,compile-step-graphs --host --out step.json  # host µs a call
     python benchmarks/bench_step.py --plot step.json --png step.png   # plot a saved run (any machine)
 
 Ways (the same stack, cache and step tensors):
@@ -12,6 +13,8 @@ Ways (the same stack, cache and step tensors):
                      trees, metadata recomputed inside the graph, no bookkeeping
     compile-step     dsv4_compile.compile_step(stack, mode="reduce-overhead"), as users compile it:
                      the default FX passes, dynamic shapes, device checks
+    compile-step-graphs  the same with cuda_graphs="step": the whole compiled step captured as one
+                     CUDA graph per input signature, replayed without entering Dynamo
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -23,7 +26,8 @@ for manual-graph; the compiled function copies its own). The weight floor is the
 bytes at ``--hbm-tbps``; "TB/s" those bytes over the step time. ``--profile`` adds, per graph way,
 ``torch.profiler`` figures over ``--iters`` back-to-back steps: wall µs per step, GPU busy µs (summed
 kernel times), host overhead (their difference: the time the GPU waits for the host) and kernels
-per step.
+per step. ``--host`` adds, per graph way, the host's own µs per call with the GPU kept busy
+(``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so none waits for the device).
 """
 
 from __future__ import annotations
@@ -38,9 +42,9 @@ from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardM
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
-from dsv4_compile.testing.bench import profile_steps
+from dsv4_compile.testing.bench import host_us_per_call, profile_steps
 
-GRAPH_WAYS = ("reduce-overhead", "compile-step", "manual-graph")  # the ways --profile profiles
+GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "manual-graph")  # --profile / --host
 
 
 def parse_args():
@@ -49,9 +53,10 @@ def parse_args():
     p.add_argument("--layers", default="0,4,128", help="compress ratios of the benchmarked stack")
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--context", default="4096,131072")
-    p.add_argument("--ways", default="eager,compile,reduce-overhead,compile-step,manual-graph")
+    p.add_argument("--ways", default="eager,compile,reduce-overhead,compile-step,compile-step-graphs,manual-graph")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="also profile each graph way (wall, GPU busy, kernels)")
+    p.add_argument("--host", action="store_true", help="also each graph way's host µs a call, the GPU kept busy")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="plot a saved JSON instead of running")
@@ -151,7 +156,8 @@ def run(args) -> list[dict]:
         compiled = {"compile": torch.compile(stack, fullgraph=True, dynamic=False),
                     "reduce-overhead": torch.compile(stack, mode="reduce-overhead", fullgraph=True,
                                                      dynamic=False),
-                    "compile-step": compile_step(stack, mode="reduce-overhead")}
+                    "compile-step": compile_step(stack, mode="reduce-overhead"),
+                    "compile-step-graphs": compile_step(stack, mode="reduce-overhead", cuda_graphs="step")}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:
@@ -169,6 +175,8 @@ def run(args) -> list[dict]:
                 if args.profile and way in GRAPH_WAYS:
                     prof = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
                     row[f"{way}_profile"] = prof
+                if args.host and way in GRAPH_WAYS:
+                    row[f"{way}_host_us"] = host_us_per_call(fn, args.iters)
             row["floor_us"] = floor_us
             base = row.get("manual-graph")
             print(f"ctx {context:>7} b {b:>4}  floor {floor_us:.1f}us  " + "  ".join(
@@ -179,6 +187,8 @@ def run(args) -> list[dict]:
                           f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
                           + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
                           flush=True)
+                if (host := row.get(f"{way}_host_us")) is not None:
+                    print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
             results.append(row)
         del stack, engine, compiled
         torch._dynamo.reset()
@@ -191,7 +201,8 @@ def plot(results: list[dict], png: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     contexts = sorted({r["context"] for r in results})
-    ways = [k for k in results[0] if k not in ("context", "batch", "floor_us") and not k.endswith(("_tbps", "_profile"))]
+    ways = [k for k in results[0] if k not in ("context", "batch", "floor_us")
+            and not k.endswith(("_tbps", "_profile", "_host_us"))]
     fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4), squeeze=False)
     for ax, ctx in zip(axes[0], contexts):
         rows = [r for r in results if r["context"] == ctx]

@@ -34,6 +34,7 @@ from .fx_passes import DSV4PassManager
 from .layer import DSV4AttentionStack, require_inference
 from .model import ModelBackend
 from .step import ForwardMode, StepInputs
+from .step_graphs import StepGraphs
 
 GRAPH_MODE = ForwardMode.EXTEND
 # idle or not x token rows in {1, >= 2} (a view of the attention output that one row makes
@@ -49,6 +50,8 @@ FRAME_SHAPE_CONFIG = {"backed_size_oblivious": True, "use_duck_shape": False}
 # on torch 2.13, so that the FX passes can match them (the Sinkhorn eps).
 FRAME_DYNAMO_CONFIG = {"specialize_float": True}
 _CUDA_GRAPHS, _POST_PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
+# compile_step(cuda_graphs=STEP_GRAPHS): the whole step captured per input signature (step_graphs.py)
+STEP_GRAPHS = "step"
 
 
 def compile_options(mode: str | None = None, options: Mapping[str, Any] | None = None,
@@ -81,7 +84,7 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
 
 def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None = None, options: Mapping[str, Any] | None = None,
                  backend: str | Callable | None = "inductor", dynamic: bool | None = True, fullgraph: bool = True,
-                 cuda_graphs: bool | None = None, passes: DSV4PassManager | None = None,
+                 cuda_graphs: bool | str | None = None, passes: DSV4PassManager | None = None,
                  device_checks: bool | None = None, model_guards: bool = True, **kwargs) -> "CompiledStep":
     """``step_fn(x, step)``: ``stack``'s step compiled as one graph. ``stack`` is an attention stack
     or a model on the backend (:class:`~dsv4_compile.model.ModelBackend`, whose step is
@@ -93,7 +96,11 @@ def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None =
     compiles a frame per distinct shape, beyond :data:`MAX_FRAMES`); ``fullgraph``; any other
     keyword (``name``, ``disable``, ...) as is. With a ``backend`` other than Inductor, ``mode``
     and ``options`` go to it unchanged and ``cuda_graphs`` / ``passes`` (Inductor settings) must
-    be left unset. ``device_checks``: see :mod:`dsv4_compile.device_checks` (``None``: the
+    be left unset. ``cuda_graphs=STEP_GRAPHS`` (``"step"``, any backend) captures the whole compiled
+    step as one CUDA graph per input signature and replays it without entering Dynamo
+    (:mod:`dsv4_compile.step_graphs`: a few µs of host time a call, under the contract of
+    ``model_guards=False`` below); Inductor then compiles without its own CUDA graphs, and on a CPU
+    stack it changes nothing. ``device_checks``: see :mod:`dsv4_compile.device_checks` (``None``: the
     ``DSV4_DEVICE_CHECKS`` environment switch); on a CPU stack they compile Inductor's kernels
     single-threaded (``cpp.threads=1``): a failed check throws inside a kernel, and from an
     OpenMP parallel region that terminates the process instead of raising.
@@ -106,19 +113,28 @@ def compile_step(stack: DSV4AttentionStack | ModelBackend, *, mode: str | None =
     attribute or parameter replaced by one of another type, shape, dtype or device goes unnoticed."""
     checks = ENABLED_BY_ENV if device_checks is None else device_checks
     backend = backend or "inductor"  # torch.compile's default
+    step_graphs = cuda_graphs == STEP_GRAPHS
+    if not (cuda_graphs is None or isinstance(cuda_graphs, bool) or step_graphs):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}: expected None, True, False or {STEP_GRAPHS!r}")
     if backend == "inductor":
         if checks and stack.cache.device.type == "cpu":  # a failed check must raise, not terminate
             options = {"cpp.threads": 1, **(options or {})}
-        settings = {"options": compile_options(mode, options, cuda_graphs, passes)}
-    elif cuda_graphs is not None or passes is not None:
-        raise ValueError(f"cuda_graphs and passes are Inductor settings; backend={backend!r} takes neither")
+        settings = {"options": compile_options(mode, options, None if step_graphs else cuda_graphs, passes)}
+        if step_graphs:  # the whole step is captured instead of Inductor's graph trees
+            if not settings["options"][_CUDA_GRAPHS]:
+                raise ValueError(f"cuda_graphs={STEP_GRAPHS!r} contradicts {_CUDA_GRAPHS}=False from "
+                                 f"mode={mode!r} / options")
+            settings["options"][_CUDA_GRAPHS] = False
+    elif (cuda_graphs is not None and not step_graphs) or passes is not None:
+        raise ValueError(f"passes and cuda_graphs other than {STEP_GRAPHS!r} are Inductor settings; "
+                         f"backend={backend!r} takes neither")
     else:
         settings = {"mode": mode, "options": dict(options) if options else None}
     if not model_guards:
         settings["options"] = {**(settings["options"] or {}), "guard_filter_fn": _unguarded_stack}
     compiled = torch.compile(_own_code(_run_step), backend=backend, dynamic=dynamic, fullgraph=fullgraph,
                              **settings, **kwargs)
-    return CompiledStep(stack, compiled, checks)
+    return CompiledStep(stack, compiled, checks, step_graphs and stack.cache.device.type == "cuda")
 
 
 class CompiledStep:
@@ -127,16 +143,20 @@ class CompiledStep:
     Before entering the compiled graph, on the host and from Python values only: refuses a step
     under autograd and ``DRAFT_EXTEND`` on a stack with compressed layers (what eager validation
     would say), returns a step with no rows at once (it computes and writes nothing), and hands
-    Dynamo the step in one canonical form (:func:`_graph_step`). Outputs of a CUDA-graph replay
-    are overwritten by the next replay: clone what you keep.
+    Dynamo the step in one canonical form (:func:`_graph_step`). ``graphs`` (whole-step CUDA
+    graphs, :class:`~dsv4_compile.step_graphs.StepGraphs`) is set when compiled with
+    ``cuda_graphs="step"`` on a CUDA stack. Outputs of a CUDA-graph replay are overwritten by the
+    next replay: clone what you keep.
     """
 
-    def __init__(self, stack: DSV4AttentionStack | ModelBackend, compiled: Callable, device_checks: bool):
+    def __init__(self, stack: DSV4AttentionStack | ModelBackend, compiled: Callable, device_checks: bool,
+                 step_graphs: bool = False):
         self.stack, self.compiled, self.device_checks = stack, compiled, device_checks
         self._compresses = any(stack.config.compress_ratios)
         # walking a model's modules for its parameters costs ~1 ms of host time per call in grad
         # mode; a parameter replaced later changes the frame's guards, and its retrace checks again
         self._parameters = tuple(stack.parameters())
+        self.graphs = StepGraphs(self._run_compiled, stack.cache.device) if step_graphs else None
 
     def __call__(self, x: torch.Tensor, step: StepInputs, *extra: torch.Tensor) -> torch.Tensor:
         require_inference(self.stack, x, self._parameters)
@@ -145,6 +165,12 @@ class CompiledStep:
                              "compressed layers")
         if step.num_tokens == 0:
             return self.stack.empty_output(x, *extra)
+        if self.graphs is not None:
+            return self.graphs(x, step, extra)
+        return self._run_compiled(x, step, extra)
+
+    def _run_compiled(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The compiled function, handed its inputs as non-views and ``step`` in :func:`_graph_step`'s form."""
         _install_frame_callbacks()
         _STEP_CALLS.depth += 1
         try:

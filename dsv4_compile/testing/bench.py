@@ -11,6 +11,9 @@ Profiling (:func:`profile_steps`): where a step's time goes — wall time, GPU b
 launches per step, and the kernels that take most of it.
 
 Wall time (:func:`wall_call`): a call's wall seconds with the device work it queued.
+
+Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
+busy so that no call waits for it.
 """
 
 from __future__ import annotations
@@ -90,6 +93,25 @@ def graph_us(fn: Callable[[], object], iters: int, inner: int, before: Callable[
     ms = statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
     del graph
     return 1e3 * ms / inner
+
+
+def host_us_per_call(call: Callable[[], object], calls: int, sleep_s: float = 1.0) -> float:
+    """Median host µs of ``calls`` calls of ``call`` (already warmed up), queued behind a
+    ``torch.cuda._sleep`` of at least ``sleep_s`` seconds: while the GPU sleeps no call can wait
+    for it, so the figure is the host's work alone (Python, guards, launches). Keep a call's
+    launches few (CUDA-graph replays): a full launch queue would block the host too."""
+    times = []
+    torch.cuda.synchronize()
+    torch.cuda._sleep(int(sleep_s * 2e9))  # cycles: >= sleep_s up to the H200's 1.98 GHz boost clock
+    first = time.perf_counter()
+    for _ in range(calls):
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    if time.perf_counter() - first > sleep_s:
+        raise RuntimeError(f"{calls} calls took more host time than the {sleep_s} s sleep: raise sleep_s")
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
 
 
 def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | None = 25) -> dict[str, Any]:

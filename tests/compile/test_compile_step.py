@@ -7,7 +7,7 @@ import torch
 from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode, StepInputs
-from dsv4_compile.compile import MAX_FRAMES, compile_options, compile_step
+from dsv4_compile.compile import MAX_FRAMES, STEP_GRAPHS, compile_options, compile_step
 from dsv4_compile.fx_passes import DSV4PassManager
 from dsv4_compile.model import enable
 from dsv4_compile.runner import ModelRunner
@@ -62,6 +62,33 @@ def test_inductor_settings_with_another_backend_are_refused():
     for kwargs in ({"cuda_graphs": True}, {"passes": DSV4PassManager()}):
         with pytest.raises(ValueError, match="Inductor settings"):
             compile_step(eng.stack, backend="eager", **kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"cuda_graphs": "trees"}, "cuda_graphs='trees'"),
+    ({"cuda_graphs": 1}, "cuda_graphs=1"),
+    ({"cuda_graphs": STEP_GRAPHS, "mode": "max-autotune-no-cudagraphs"}, "contradicts"),
+    ({"cuda_graphs": STEP_GRAPHS, "options": {CG: False}}, "contradicts"),
+])
+def test_bad_cuda_graphs_are_refused(kwargs, match):
+    eng, _ = make_engine(TINY, max_requests=1, max_seq_len=256, capture_layers=False)
+    with pytest.raises(ValueError, match=match):
+        compile_step(eng.stack, **kwargs)
+
+
+@torch.no_grad()
+def test_step_graphs_on_a_cpu_stack_run_the_compiled_step_as_is():
+    """cuda_graphs="step" is accepted by any backend; on a CPU stack there is nothing to capture:
+    no StepGraphs, and the step's outputs are those of the eager stack."""
+    eng, rec = make_engine(TINY, max_requests=2, max_seq_len=256, capture_layers=False)
+    row = eng.admit()
+    rec.run(M.EXTEND, {row: 30})
+    with fresh_compile_state():
+        step_fn = compile_step(eng.stack, backend="eager", cuda_graphs=STEP_GRAPHS)
+        assert step_fn.graphs is None
+        eng.forward = step_fn
+        for _ in range(3):
+            assert_outputs_match(rec, rec.run(M.DECODE, {row: 1}))
 
 
 @torch.no_grad()

@@ -120,12 +120,15 @@ def _run(eager_pair, compiled_pair, check_exact: bool):
     return names
 
 
-@pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False), ("compile_step", False)])
+@pytest.mark.parametrize("backend, exact", [("cudagraphs", True), ("inductor", False), ("compile_step", False),
+                                            ("eager_step_graphs", True), ("step_graphs", False)])
 @torch.no_grad()
 def test_long_run_as_cuda_graphs(backend, exact):
     """Through compile_step under torch's default recompile limit: the cudagraphs backend with
     dynamic=False (one frame per distinct padded shape: 7 in this scenario), reduce-overhead
-    without the dsv4 passes, and compile_step as served."""
+    without the dsv4 passes, compile_step as served, and whole-step graphs (cuda_graphs="step")
+    over the eager backend (bit for bit) and over Inductor: a replay with new step tensors computes
+    the new step."""
     eager, eager_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE, capture_layers=False)
     eager.bucketed = True
     compiled, compiled_rec = make_engine(CFG, max_requests=4, max_seq_len=1024, device=DEVICE,
@@ -133,20 +136,48 @@ def test_long_run_as_cuda_graphs(backend, exact):
     compiled.bucketed = True
     with fresh_compile_state(), _count_recordings() as recordings:
         if backend == "cudagraphs":
-            compiled.forward = compile_step(compiled.stack, backend="cudagraphs", dynamic=False)
+            step_fn = compile_step(compiled.stack, backend="cudagraphs", dynamic=False)
         elif backend == "compile_step":  # + the dsv4 FX passes (fused metadata)
-            compiled.forward = compile_step(compiled.stack)
+            step_fn = compile_step(compiled.stack)
+        elif backend == "eager_step_graphs":
+            step_fn = compile_step(compiled.stack, backend="eager", cuda_graphs="step")
+        elif backend == "step_graphs":
+            step_fn = compile_step(compiled.stack, cuda_graphs="step")
         else:
-            compiled.forward = compile_step(compiled.stack, mode="reduce-overhead", passes=DSV4PassManager([]))
-        compiled.forward = _no_sync_after(compiled.forward, first_checked_call=36)
+            step_fn = compile_step(compiled.stack, mode="reduce-overhead", passes=DSV4PassManager([]))
+        compiled.forward = _no_sync_after(step_fn, first_checked_call=36)
         names = _run((eager, eager_rec), (compiled, compiled_rec), exact)
         assert graph_breaks() == 0
         assert counters["inductor"]["cudagraph_skips"] == 0
-        assert recordings.count >= 4, f"only {recordings.count} CUDA graphs recorded"
-        assert recordings.count <= 16, f"{recordings.count} CUDA graphs recorded: buckets should bound this"
+        graphs = recordings.count if step_fn.graphs is None else step_fn.graphs.num_graphs
+        assert graphs >= 4, f"only {graphs} CUDA graphs recorded"
+        assert graphs <= 16, f"{graphs} CUDA graphs recorded: buckets should bound this"
     # the compiled engine also agrees with the cache-free oracle at the end
     out = compiled_rec.run(M.DECODE, {names["a"][1]: 1, names["c"][1]: 1})
     assert_outputs_match(compiled_rec, out)
+
+
+@torch.no_grad()
+def test_step_graphs_see_weights_updated_in_place_and_new_shapes():
+    """Whole-step graphs replay the captured kernels on the memory they captured: a weight updated
+    in place is seen by the next replay, and a step of a new shape is a signature (and graph) of
+    its own, not a replay of another; each graph is captured at a signature's second call."""
+    eng, rec = make_engine(CFG, max_requests=4, max_seq_len=512, device=DEVICE, capture_layers=False)
+    rows = [eng.admit() for _ in range(3)]
+    rec.run(M.EXTEND, {r: 40 + 30 * i for i, r in enumerate(rows)})
+    with fresh_compile_state():
+        step_fn = compile_step(eng.stack, backend="eager", cuda_graphs="step")
+        eng.forward = step_fn
+        graphs = []
+        for b in (2, 2, 2, 3, 3, 2):
+            assert_outputs_match(rec, rec.run(M.DECODE, {r: 1 for r in rows[:b]}))
+            graphs.append(step_fn.graphs.num_graphs)
+        assert graphs == [0, 1, 1, 1, 2, 2]
+        # the last layer's output projection: no cache entry depends on it, so the cache-free
+        # oracle over the whole history (with the new weight) stays the reference
+        eng.stack.layers[-1].wo_b.mul_(-0.5)
+        assert_outputs_match(rec, rec.run(M.DECODE, {r: 1 for r in rows}))
+        assert step_fn.graphs.num_graphs == 2
 
 
 @torch.no_grad()

@@ -1,8 +1,8 @@
 """A transformers DeepSeek V4 model on the backend, on CUDA: the compiled step against the eager
 step, and the backend against transformers' own eager forward.
 
-* ``compile_step(backend, mode="reduce-overhead")`` (one graph, CUDA-graph trees, torch's default
-  Dynamo config) runs prefill, chunked prefill beside decode rows, decode at b = 2 and b = 1 and
+* ``compile_step(backend, mode="reduce-overhead")`` (one graph, CUDA-graph trees or whole-step
+  graphs, torch's default Dynamo config) runs prefill, chunked prefill beside decode rows, decode at b = 2 and b = 1 and
   a request joining mid-run, each step beside the eager backend on a cache of its own: the logits
   agree within bf16 / FP8 rounding (Inductor's fused elementwise work rounds differently from
   eager; the same comparison with CPU Inductor: largest relative max error of a step 0.048, greedy
@@ -108,11 +108,14 @@ def _compare(pairs) -> tuple[float, float]:
     return worst, agree
 
 
+@pytest.mark.parametrize("cuda_graphs", [None, "step"])
 @torch.no_grad()
-def test_compiled_model_step_matches_eager(model):
+def test_compiled_model_step_matches_eager(model, cuda_graphs):
+    """CUDA-graph trees (compile_step's default) and whole-step graphs (``cuda_graphs="step"``)."""
     assert torch._dynamo.config.recompile_limit == 8, "the test must run with torch's default limit"
     with fresh_compile_state():
-        pairs = _run_side_by_side(model, lambda backend: compile_step(backend, mode="reduce-overhead"))
+        pairs = _run_side_by_side(model, lambda backend: compile_step(backend, mode="reduce-overhead",
+                                                                      cuda_graphs=cuda_graphs))
         frames = counters["stats"]["unique_graphs"]
         assert graph_breaks() == 0
         assert counters["inductor"]["cudagraph_skips"] == 0

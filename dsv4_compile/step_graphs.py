@@ -1,0 +1,135 @@
+"""Whole-step CUDA graphs: a compiled step captured as one ``torch.cuda.CUDAGraph`` per input
+signature and replayed without entering Dynamo (``compile_step(..., cuda_graphs="step")``).
+
+Why: under CUDA-graph trees (``mode="reduce-overhead"``) a call replays one graph, but around
+that replay the host runs Dynamo's guards, AOTAutograd's runtime wrappers and the trees'
+bookkeeping (generation and liveness checks, one copy per input, output reconstruction): on the
+H200's host ~170 µs a call for the 3-layer Flash stack and ~450 µs for the 4-layer benchmark model
+(docs/perf-log.md). A step whose result the caller waits for (a decode loop that reads its tokens)
+pays that time on top of the GPU's. Here a call is a dictionary look-up, one
+``torch._foreach_copy_`` into the graph's static inputs and ``graph.replay()``.
+
+How: a call is keyed by its signature, the shapes and dtypes of ``x``, the step's four tensors and
+the extra inputs. The first call of a signature copies its inputs into static tensors of its own
+and runs the compiled step on them (on a side stream, outside any capture: Dynamo may compile a
+frame, Triton a kernel); the second copies its inputs in, captures the same call into a graph that
+shares one memory pool with the step's other graphs, and replays it; every later call copies and
+replays. Each call runs the step exactly once, so the cache sees every write once.
+
+Contract (what a replay does not look at): the stack stays as it was compiled, as with
+``compile_step(model_guards=False)``: weights and cache contents updated in place are seen; a
+module, parameter or buffer replaced by another tensor is not (its old memory stays captured).
+Outputs are the graph's static tensors: the next call of the same step (any signature: the graphs
+share their pool) overwrites them, so clone what you keep.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .step import StepInputs
+
+# run(x, step, extra) -> outputs: the compiled step on tensors that are not views
+Run = Callable[[torch.Tensor, StepInputs, tuple[torch.Tensor, ...]], Any]
+
+
+@dataclass
+class _Signature:
+    """The static inputs of one signature and, once captured, its graph and output tensors."""
+
+    x: torch.Tensor
+    step: StepInputs
+    extra: tuple[torch.Tensor, ...]
+    graph: torch.cuda.CUDAGraph | None = None
+    outputs: Any = None
+
+    @property
+    def inputs(self) -> list[torch.Tensor]:
+        """Every static tensor a call copies into."""
+        return _flat_inputs(self.x, self.step, self.extra)
+
+    def __post_init__(self):
+        self.bytes = [t.view(torch.uint8) for t in self.inputs]
+
+
+def _flat_inputs(x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    return [x, *step.tensors(), *extra]
+
+
+def _copy_in(sig: _Signature, inputs: list[torch.Tensor]) -> None:
+    """Copy a call's inputs into ``sig``'s static tensors in one launch: as bytes, every pair has
+    one dtype, which ``torch._foreach_copy_`` needs to copy them all in one kernel (a launch costs
+    ~6 µs of host time on the H200's host, the replay ~3). Inputs whose last dimension is strided
+    cannot be viewed as bytes and are copied dtype by dtype."""
+    try:
+        sources = [t.view(torch.uint8) for t in inputs]
+    except RuntimeError:
+        torch._foreach_copy_(sig.inputs, inputs)
+    else:
+        torch._foreach_copy_(sig.bytes, sources)
+
+
+def _static_copy(x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> _Signature:
+    """Contiguous copies of the inputs; without requests the step's three request tensors are one
+    tensor, as ``StepInputs.idle`` builds them (the form the compiled frames take)."""
+    rows, seq_lens, extend_lens, loc = (t.clone(memory_format=torch.contiguous_format) for t in step.tensors())
+    if not rows.shape[0]:
+        seq_lens = extend_lens = rows
+    return _Signature(x.clone(memory_format=torch.contiguous_format),
+                      StepInputs(step.mode, rows, seq_lens, extend_lens, loc),
+                      tuple(t.clone(memory_format=torch.contiguous_format) for t in extra))
+
+
+class StepGraphs:
+    """The whole-step CUDA graphs of one compiled step (module docstring): ``graphs(x, step,
+    extra)`` runs ``run`` once per call, through a replayed graph from a signature's second call.
+
+    Args:
+        run: the compiled step, ``run(x, step, extra) -> outputs`` (a tensor or a tuple of them).
+        device: the CUDA device the step runs on.
+    """
+
+    def __init__(self, run: Run, device: torch.device):
+        self.run, self.device = run, device
+        self.signatures: dict[tuple, _Signature] = {}
+        self.stream = torch.cuda.Stream(device)  # warm-ups and captures run here, off the caller's stream
+        self.pool = None  # the memory pool every graph of this step allocates from
+
+    def __call__(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> Any:
+        inputs = _flat_inputs(x, step, extra)
+        key = tuple((t.shape, t.dtype) for t in inputs)
+        sig = self.signatures.get(key)
+        if sig is None:
+            sig = self.signatures[key] = _static_copy(x, step, extra)
+            return self._on_side_stream(lambda: self.run(sig.x, sig.step, sig.extra))
+        _copy_in(sig, inputs)
+        if sig.graph is None:
+            self._capture(sig)
+        sig.graph.replay()
+        return sig.outputs
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured so far (one per signature seen at least twice)."""
+        return sum(sig.graph is not None for sig in self.signatures.values())
+
+    def _on_side_stream(self, fn: Callable[[], Any]) -> Any:
+        """``fn()`` on :attr:`stream`, ordered after the caller's queued work and before its next."""
+        caller = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(caller)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        caller.wait_stream(self.stream)
+        return out
+
+    def _capture(self, sig: _Signature) -> None:
+        graph = torch.cuda.CUDAGraph()
+        # torch.cuda.graph synchronises the device first, so the inputs just copied are in place
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream):
+            outputs = self.run(sig.x, sig.step, sig.extra)
+        self.pool = self.pool or graph.pool()
+        sig.graph, sig.outputs = graph, outputs
