@@ -320,11 +320,11 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
     run(args.warmup)
     us = 1e3 * elapsed_ms(lambda: run(args.steps), tokens.device) / args.steps
     extra = {}
-    if profile:
-        extra["profile"] = profile_steps(run, args.steps, top=None)
-    if host:
+    if host:  # before profiling: the profiler slows the launches that follow it
         extra["host_us"] = host_us_per_call(lambda: run(1), args.steps)
         extra["synced_us"] = 1e3 * elapsed_ms(lambda: run(args.steps, synced=True), tokens.device) / args.steps
+    if profile:
+        extra["profile"] = profile_steps(run, args.steps, top=None)
     for r in rows:
         backend.allocator.free(r)
     return us, extra
