@@ -28,9 +28,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from .compile import compile_step
+from .evaluate.run import runner_on
 from .model import enable
-from .runner import ModelRunner
 
 # (request key or None, context tokens, continuation tokens): what TemplateLM hands _loglikelihood_tokens
 TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]
@@ -45,7 +44,8 @@ class DSV4LM(TemplateLM):
     its tokenizer), ``max_seq_len`` (the cache's tokens per request, a multiple of 256),
     ``batch_size`` (concurrent requests: the cache's request rows, and the number of
     log-likelihood requests scored per runner call), ``device`` (default CUDA when present),
-    ``compile`` (run the step through :func:`~dsv4_compile.compile.compile_step`, warmed up once),
+    ``compile`` (run the step compiled as ``python -m dsv4_compile`` compiles it,
+    :func:`~dsv4_compile.evaluate.run.compiled_step`, warmed up once),
     ``max_step_tokens`` (the runner's rows per step), ``max_length`` (the context lm-eval works
     with — rolling windows, truncation — at most, and by default, ``max_seq_len``)."""
 
@@ -62,8 +62,7 @@ class DSV4LM(TemplateLM):
         model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.bfloat16).to(self._device)
         backend = enable(model, max_requests=self.batch_size, max_seq_len=max_seq_len)
         compiled = _flag("compile", compile)
-        self.runner = ModelRunner(backend, step_fn=compile_step(backend) if compiled else None,
-                                  max_step_tokens=_count("max_step_tokens", max_step_tokens))
+        self.runner, _ = runner_on(backend, compiled=compiled, max_step_tokens=_count("max_step_tokens", max_step_tokens))
         if compiled:
             self.runner.warmup()
 

@@ -21,17 +21,23 @@ from torch._dynamo.utils import counters
 from torch.distributed.device_mesh import DeviceMesh
 from tqdm import tqdm
 
-from ..compile import compile_step
+from ..compile import STEP_GRAPHS, CompiledStep, compile_step
 from ..model import ModelBackend, enable
 from ..runner import ModelRunner
 from ..testing.bench import wall_call
 
-# How a compiled step is compiled. On a GPU: Inductor with CUDA graphs (compile_step's default).
-# On a CPU: Dynamo's graph on the eager backend. The CPU kernels are the reference ops, which
-# Inductor calls as they are: for the built-in model its cold compile of the warm-up frames took
-# 545 s on 2 shared cores, and the steps ran no faster than eager ones.
-COMPILED = {"cuda": ("inductor", "Inductor + CUDA graphs"),
+# How a compiled step is compiled. On a GPU: Inductor, the whole step captured as CUDA graphs
+# (cuda_graphs="step": a runner owns its model, which stays as compiled, and its loop reads every
+# step back, where a call's host time adds to the GPU's: 20-35 µs a call against 160-350 µs with
+# CUDA-graph trees on the H200's host). On a CPU: Dynamo's graph on the eager backend. The CPU
+# kernels are the reference ops, which Inductor calls as they are: for the built-in model its cold
+# compile of the warm-up frames took 545 s on 2 shared cores, and the steps ran no faster than
+# eager ones.
+COMPILED = {"cuda": ("inductor", "Inductor + whole-step CUDA graphs"),
             "cpu": ("eager", "Dynamo graph, eager backend (Inductor gains nothing on CPU reference kernels)")}
+# Under tensor parallelism the collectives of a step are captured by CUDA-graph trees, whose
+# capture of them is tested on several GPUs; whole-step graphs of collectives are not yet.
+PARALLEL_CUDA = ("inductor", "Inductor + CUDA-graph trees")
 # Sequences handed to the runner per call: the progress bar moves between calls, and the runner
 # still batches continuously inside each.
 CALL_SEQUENCES_PER_REQUEST = 4
@@ -54,14 +60,23 @@ def make_runner(model: torch.nn.Module, *, batch: int, max_seq_len: int, compile
     return runner_on(backend, compiled=compiled)
 
 
-def runner_on(backend: ModelBackend, *, compiled: bool) -> tuple[ModelRunner, str]:
-    """A runner on ``backend``'s step, compiled as :data:`COMPILED` says or eager; returns it and
-    how it runs."""
+def runner_on(backend: ModelBackend, *, compiled: bool, **runner_kwargs) -> tuple[ModelRunner, str]:
+    """A runner on ``backend``'s step (``runner_kwargs`` to :class:`ModelRunner`), compiled by
+    :func:`compiled_step` or eager; returns it and how it runs."""
     parallel = "" if backend.device_mesh is None else f"; tensor-parallel over {backend.device_mesh.size()} ranks"
     if not compiled:
-        return ModelRunner(backend), "eager (not compiled)" + parallel
-    backend_name, how = COMPILED[backend.cache.device.type]
-    return ModelRunner(backend, step_fn=compile_step(backend, backend=backend_name)), how + parallel
+        return ModelRunner(backend, **runner_kwargs), "eager (not compiled)" + parallel
+    step_fn, how = compiled_step(backend)
+    return ModelRunner(backend, step_fn=step_fn, **runner_kwargs), how + parallel
+
+
+def compiled_step(backend: ModelBackend) -> tuple[CompiledStep, str]:
+    """``backend``'s step compiled as a runner runs it (:data:`COMPILED`, :data:`PARALLEL_CUDA`),
+    and how."""
+    cuda, sharded = backend.cache.device.type == "cuda", backend.device_mesh is not None
+    backend_name, how = PARALLEL_CUDA if cuda and sharded else COMPILED[backend.cache.device.type]
+    graphs = None if sharded else STEP_GRAPHS
+    return compile_step(backend, backend=backend_name, cuda_graphs=graphs), how
 
 
 class _CompileClock:

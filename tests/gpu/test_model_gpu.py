@@ -21,6 +21,7 @@ from transformers import DeepseekV4Config
 
 from dsv4_compile.compile import MAX_FRAMES, compile_step
 from dsv4_compile.model import ModelBackend, enable
+from dsv4_compile.runner import ModelRunner
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.random_model import random_hf_model
 from tests.support.compile_checks import fresh_compile_state, graph_breaks
@@ -124,6 +125,28 @@ def test_compiled_model_step_matches_eager(model, cuda_graphs):
     print(f"compiled vs eager: relative max logit error {worst:.4f}, greedy agreement {agree:.3f}, frames {frames}")
     assert worst <= COMPILED_RTOL
     assert agree >= COMPILED_AGREE
+
+
+@torch.no_grad()
+def test_runner_on_whole_step_graphs_equals_the_eager_runner(model):
+    """The runner's loop (continuous batching, chunked prefill, bucketed steps) on the step as the
+    CLI compiles it on CUDA, whole-step graphs, here over Dynamo's eager backend so that it must
+    equal the eager runner bit for bit: the same log-probs over three passes (warm-up runs,
+    captures, replays) and the same greedy continuations; no graph break."""
+    sequences = [list(range(1, 300)), [7] * 3, list(range(100, 160))]
+    backend = enable(model, max_requests=4, max_seq_len=1024)
+    want = ModelRunner(backend, max_step_tokens=128).score(sequences)
+    want_tokens = ModelRunner(backend, max_step_tokens=128).generate(sequences, 6)
+    with fresh_compile_state():
+        step_fn = compile_step(backend, backend="eager", cuda_graphs="step")
+        runner = ModelRunner(backend, step_fn=step_fn, max_step_tokens=128)
+        runner.warmup()
+        for _ in range(3):
+            for got, expected in zip(runner.score(sequences), want):
+                assert torch.equal(got, expected)
+        assert runner.generate(sequences, 6) == want_tokens
+        assert graph_breaks() == 0
+    assert 0 < step_fn.graphs.num_graphs <= len(step_fn.graphs.signatures)
 
 
 @torch.no_grad()
