@@ -103,12 +103,18 @@ class StepGraphs:
         inputs = _flat_inputs(x, step, extra)
         key = tuple((t.shape, t.dtype) for t in inputs)
         sig = self.signatures.get(key)
-        if sig is None:
-            sig = self.signatures[key] = _static_copy(x, step, extra)
-            return self._on_side_stream(lambda: self.run(sig.x, sig.step, sig.extra))
+        if sig is None:  # a signature is kept once its step has run: its frame is compiled then
+            sig = _static_copy(x, step, extra)
+            outputs = self._on_side_stream(lambda: self.run(sig.x, sig.step, sig.extra))
+            self.signatures[key] = sig
+            return outputs
         _copy_in(sig, inputs)
         if sig.graph is None:
-            self._capture(sig)
+            try:
+                self._capture(sig)
+            except BaseException:  # nothing half-captured stays: the next call warms up again
+                del self.signatures[key]
+                raise
         sig.graph.replay()
         return sig.outputs
 
