@@ -49,14 +49,29 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size:
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int, views: Callable,
             dequantize: Callable) -> torch.Tensor:
-    """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for invalid slots)."""
+    """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for invalid slots).
+
+    Eager on the CPU each distinct slot is dequantised once and the rows copied out (the rows of
+    one request's chunk read mostly the same entries: the CPU step's attention and indexer spent
+    most of their time dequantising them again); the result is the same to the bit. On other
+    devices and while a graph is traced (``torch.unique`` has a data-dependent size: a host sync,
+    no CUDA-graph capture, no symbolic trace) every slot is dequantised where it stands."""
     flat = slots.reshape(-1)
+    if flat.device.type == "cpu" and not torch.compiler.is_compiling():
+        distinct, where = torch.unique(flat, return_inverse=True)
+        return _dequantize_at(cache, distinct, page_size, views, dequantize)[where].reshape(*slots.shape, -1)
+    return _dequantize_at(cache, flat, page_size, views, dequantize).reshape(*slots.shape, -1)
+
+
+def _dequantize_at(cache: torch.Tensor, flat: torch.Tensor, page_size: int, views: Callable,
+                   dequantize: Callable) -> torch.Tensor:
+    """``dequantize`` of the fields at ``flat [N]`` -> ``[N, D] fp32`` (0 for invalid slots)."""
     if cache.shape[0] == 0:  # no valid slot: read the zeros of an empty page
         cache = cache.new_zeros(1, cache.shape[1])
         flat = flat.new_full(flat.shape, -1)
     valid, page, off = _page_offset(flat, page_size, cache.shape[0])
     k = dequantize(*(view[page, off] for view in views(cache, page_size)))
-    return torch.where(valid.unsqueeze(1), k, 0.0).reshape(*slots.shape, k.shape[-1])
+    return torch.where(valid.unsqueeze(1), k, 0.0)
 
 
 def store_model1(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:

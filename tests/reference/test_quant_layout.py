@@ -90,3 +90,24 @@ def test_negative_slots_are_skipped_and_read_as_zero():
     assert torch.equal(cache, before)  # nothing else changed, the dummy slot included
     got = kv_store.gather_model1(cache, torch.tensor([[-1, 3]]), page_size)
     assert got.shape == (1, 2, 512) and torch.all(got[0, 0] == 0)
+
+
+@pytest.mark.parametrize("gather, store, width, page_size", [
+    (kv_store.gather_model1, kv_store.store_model1, 512, 64),
+    (kv_store.gather_index_k, kv_store.store_index_k, 128, layout.INDEX_PAGE_SIZE),
+])
+def test_gather_reads_each_slot_as_a_lone_read_does(gather, store, width, page_size):
+    """On the CPU a gather dequantises each distinct slot once and copies the rows out: every row
+    of a batch with repeated, invalid and out-of-range slots equals that slot read on its own."""
+    pages = 3
+    page_bytes = layout.model1_page_bytes(page_size) if width == 512 else layout.index_page_bytes(page_size)
+    cache = torch.zeros(pages, page_bytes, dtype=torch.uint8)
+    slots_written = torch.arange(1, pages * page_size)
+    store(cache, slots_written, torch.randn(slots_written.shape[0], width).bfloat16() * 3, page_size)
+    gen = torch.Generator().manual_seed(0)
+    slots = torch.randint(-4, pages * page_size + 4, (5, 40), generator=gen)
+    slots[:, ::7] = slots[0, 3]  # repeats across and within rows
+    got = gather(cache, slots, page_size)
+    assert got.shape == (5, 40, width)
+    for (r, c), slot in zip(torch.cartesian_prod(torch.arange(5), torch.arange(40)).tolist(), slots.flatten()):
+        assert torch.equal(got[r, c], gather(cache, slot.view(1), page_size)[0]), (r, c, int(slot))
