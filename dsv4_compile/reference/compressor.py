@@ -55,11 +55,16 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
     pos = seq_lens_causal.long() - 1  # [T]
     score_ape = score + ape[pos % ratio]  # [T, Wc]
     chunk = max(1, _ROW_CHUNK_ELEMS // (slots * wc))
-    pooled = [
-        _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo, hi, ratio, ring, d)
-        for lo, hi in row_chunks(num_rows, chunk)
-    ]
-    e = torch.cat(pooled, 0) if pooled else kv.new_zeros(0, d)  # [T, d] fp32
+    rows = torch.arange(num_rows, device=kv.device)
+    if kv.device.type == "cpu" and not torch.compiler.is_compiling():
+        # eager on the CPU only the rows that complete a window pool (1 in 4 or 128 of a prefill's);
+        # the others' output is unspecified (docs/semantics.md §4.2) and left 0, as the CUDA
+        # kernel leaves it. Elsewhere the selection's data-dependent size would sync the host or
+        # stop a trace, so every row pools.
+        rows = rows[(pos + 1) % ratio == 0]
+    e = kv.new_zeros(num_rows, d)  # [T, d] fp32
+    for lo, hi in row_chunks(rows.shape[0], chunk):
+        e[rows[lo:hi]] = _pool_rows(state, kv, score_ape, req_of_row, pos, extend_start, rows[lo:hi], ratio, ring, d)
     y = rms_norm(e.to(torch.bfloat16), norm_weight, eps)
     y = rope_tail(y, pos - ratio + 1, inv_freq)
     if rotate:
@@ -68,20 +73,20 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
     return y
 
 
-def _pool_rows(state, kv, score_ape, ape, req_of_row, pos, extend_start, lo: int, hi: int,
+def _pool_rows(state, kv, score_ape, req_of_row, pos, extend_start, rows: torch.Tensor,
                ratio: int, ring: int, d: int) -> torch.Tensor:
-    """Pooled fp32 entry ``[hi - lo, d]`` for rows ``lo:hi``.
+    """Pooled fp32 entry ``[C, d]`` for the in-step rows ``rows [C]`` (int64).
 
     A slot reads nothing (weight 0, value 0: selected, never multiplied, so NaN in an unread ring
     row cannot leak) when its position is negative, its in-step row is outside ``[0, T)``, or its
     ring row is outside ``state`` (a request row outside ``[0, R)``, docs/semantics.md §6)."""
     wc = kv.shape[1]
     slots = window_slots(ratio)
-    p = pos[lo:hi].unsqueeze(1)  # [C, 1]
+    p = pos[rows].unsqueeze(1)  # [C, 1]
     t = p - (slots - 1) + torch.arange(slots, device=kv.device)  # [C, S] token positions
-    in_step = t >= extend_start[lo:hi].long().unsqueeze(1)
-    batch_row = torch.where(in_step & (t >= 0), torch.arange(lo, hi, device=kv.device).unsqueeze(1) - (p - t), -1)
-    ring_row = torch.where(~in_step & (t >= 0), req_of_row[lo:hi].long().unsqueeze(1) * ring + t % ring, -1)
+    in_step = t >= extend_start[rows].long().unsqueeze(1)
+    batch_row = torch.where(in_step & (t >= 0), rows.unsqueeze(1) - (p - t), -1)
+    ring_row = torch.where(~in_step & (t >= 0), req_of_row[rows].long().unsqueeze(1) * ring + t % ring, -1)
     sel = in_step.unsqueeze(-1)
     a = torch.where(sel, gather_or(kv, (batch_row,), 0.0), gather_or(state[:, :wc], (ring_row,), 0.0))  # [C, S, Wc]
     s = torch.where(sel, gather_or(score_ape, (batch_row,), float("-inf")),

@@ -65,8 +65,9 @@ def compressor_golden(args: dict, rows_per_chunk: int = 256) -> torch.Tensor:
     a = {k: (v.double() if torch.is_tensor(v) and v.is_floating_point() else v) for k, v in args.items()}
     pos = a["seq_lens_causal"].long() - 1
     score_ape = a["score"] + a["ape"][pos % a["ratio"]]
-    e = torch.cat([ref_compressor._pool_rows(a["state"], a["kv"], score_ape, a["ape"], a["req_of_row"], pos,
-                                             a["extend_start"], lo, min(lo + rows_per_chunk, pos.shape[0]),
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    e = torch.cat([ref_compressor._pool_rows(a["state"], a["kv"], score_ape, a["req_of_row"], pos,
+                                             a["extend_start"], rows[lo:lo + rows_per_chunk],
                                              a["ratio"], a["ring"], a["norm_weight"].shape[0])
                    for lo in range(0, pos.shape[0], rows_per_chunk)])
     y = rope_tail(rms_norm(e, a["norm_weight"], a["eps"]), pos - a["ratio"] + 1, a["inv_freq"])
