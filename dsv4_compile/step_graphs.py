@@ -4,10 +4,10 @@ signature and replayed without entering Dynamo (``compile_step(..., cuda_graphs=
 Why: under CUDA-graph trees (``mode="reduce-overhead"``) a call replays one graph, but around
 that replay the host runs Dynamo's guards, AOTAutograd's runtime wrappers and the trees'
 bookkeeping (generation and liveness checks, one copy per input, output reconstruction): on the
-H200's host ~170 µs a call for the 3-layer Flash stack and ~450 µs for the 4-layer benchmark model
-(docs/perf-log.md). A step whose result the caller waits for (a decode loop that reads its tokens)
-pays that time on top of the GPU's. Here a call is a dictionary look-up, one
-``torch._foreach_copy_`` into the graph's static inputs and ``graph.replay()``.
+H200's host 160–350 µs a call for the 3-layer Flash stack (benchmarks/README.md, "Whole-step CUDA
+graphs"). A step whose result the caller waits for (a decode loop that reads its tokens) pays that
+time on top of the GPU's. Here a call is a dictionary look-up, one ``torch._foreach_copy_`` into
+the graph's static inputs and ``graph.replay()``: 20–35 µs.
 
 How: a call is keyed by its signature, the shapes and dtypes of ``x``, the step's four tensors and
 the extra inputs. The first call of a signature copies its inputs into static tensors of its own
@@ -26,7 +26,7 @@ share their pool) overwrites them, so clone what you keep.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -46,14 +46,15 @@ class _Signature:
     extra: tuple[torch.Tensor, ...]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: Any = None
+    bytes: list[torch.Tensor] = field(init=False)  # :attr:`inputs` viewed as uint8
+
+    def __post_init__(self):
+        self.bytes = [t.view(torch.uint8) for t in self.inputs]
 
     @property
     def inputs(self) -> list[torch.Tensor]:
         """Every static tensor a call copies into."""
         return _flat_inputs(self.x, self.step, self.extra)
-
-    def __post_init__(self):
-        self.bytes = [t.view(torch.uint8) for t in self.inputs]
 
 
 def _flat_inputs(x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
