@@ -10,7 +10,7 @@ time on top of the GPU's. Here a call is a dictionary look-up, one ``torch._fore
 the graph's static inputs and ``graph.replay()``: 20–35 µs.
 
 How: a call is keyed by its signature, the shapes and dtypes of ``x``, the step's four tensors and
-the extra inputs. The first call of a signature copies its inputs into static tensors of its own
+the extra inputs, and whether inference mode is on. The first call of a signature copies its inputs into static tensors of its own
 and runs the compiled step on them (on a side stream, outside any capture: Dynamo may compile a
 frame, Triton a kernel); the second copies its inputs in, captures the same call into a graph that
 shares one memory pool with the step's other graphs, and replays it; every later call copies and
@@ -102,7 +102,9 @@ class StepGraphs:
 
     def __call__(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> Any:
         inputs = _flat_inputs(x, step, extra)
-        key = tuple((t.shape, t.dtype) for t in inputs)
+        # inference mode too: its static copies are inference tensors, which only take in-place
+        # copies under inference mode, and Dynamo compiles a frame of their own for its calls
+        key = (torch.is_inference_mode_enabled(), *((t.shape, t.dtype) for t in inputs))
         sig = self.signatures.get(key)
         if sig is None:  # a signature is kept once its step has run: its frame is compiled then
             sig = _static_copy(x, step, extra)
