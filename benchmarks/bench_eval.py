@@ -26,9 +26,9 @@ replaces the model's forward, ``generate()`` and MoE experts implementation):
                    row never attends to the pads after it); generation ``generate()`` over
                    left-padded batches, longest prompts first
     backend_eager  ``ModelRunner`` on the eager step: continuous batching of ``--batch`` requests
-    compiled       ``ModelRunner`` on the step compiled as ``python -m dsv4_compile`` compiles it: on a
-                   GPU ``compile_step``'s Inductor with CUDA graphs (``mode="reduce-overhead"``'s
-                   options), on a CPU Dynamo's graph on the eager backend
+    compiled       ``ModelRunner`` on the step compiled as ``python -m dsv4_compile`` compiles it
+                   (``evaluate.run.compiled_step``): on one GPU Inductor with whole-step CUDA
+                   graphs, on a CPU Dynamo's graph on the eager backend
 
 Loops:
     score      teacher-forced log-probs (fp32) of every token of every sequence after its first
