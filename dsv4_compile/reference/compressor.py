@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .functional import gather_or, hadamard, rms_norm, rope_tail, row_chunks
+from .functional import gather_or, hadamard, may_select, rms_norm, rope_tail, row_chunks
 
 _ROW_CHUNK_ELEMS = 1 << 22  # bound the [rows, S, Wc] gather of one chunk (fp32 elements)
 
@@ -56,11 +56,10 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
     score_ape = score + ape[pos % ratio]  # [T, Wc]
     chunk = max(1, _ROW_CHUNK_ELEMS // (slots * wc))
     rows = torch.arange(num_rows, device=kv.device)
-    if kv.device.type == "cpu" and not torch.compiler.is_compiling():
-        # eager on the CPU only the rows that complete a window pool (1 in 4 or 128 of a prefill's);
-        # the others' output is unspecified (docs/semantics.md §4.2) and left 0, as the CUDA
-        # kernel leaves it. Elsewhere the selection's data-dependent size would sync the host or
-        # stop a trace, so every row pools.
+    if may_select(kv):
+        # only the rows that complete a window pool (1 in 4 or 128 of a prefill's); the others'
+        # output is unspecified (docs/semantics.md §4.2) and left 0, as the CUDA kernel leaves it.
+        # Where a selection may not be made, every row pools.
         rows = rows[(pos + 1) % ratio == 0]
     e = kv.new_zeros(num_rows, d)  # [T, d] fp32
     for lo, hi in row_chunks(rows.shape[0], chunk):

@@ -24,6 +24,13 @@ def row_chunks(num_rows: int, chunk: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk, num_rows)) for lo in range(0, num_rows, chunk)]
 
 
+def may_select(t: torch.Tensor) -> bool:
+    """Whether a reference may make tensors whose size depends on ``t``'s values (``torch.unique``,
+    boolean selection) to skip work: eagerly on the CPU. On other devices that would sync the host
+    and break CUDA-graph capture; while a graph is traced, stop the trace."""
+    return t.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim (fp32 math, input dtype out)."""
     xf = x.float()

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from .functional import may_select
 from .quant import (dequantize_index_k, dequantize_model1, index_page_views, model1_page_views,
                     quantize_index_k, quantize_model1)
 
@@ -51,13 +52,12 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int, views: Cal
             dequantize: Callable) -> torch.Tensor:
     """``dequantize`` of the fields at ``slots [...]`` -> ``[..., D] fp32`` (0 for invalid slots).
 
-    Eager on the CPU each distinct slot is dequantised once and the rows copied out (the rows of
-    one request's chunk read mostly the same entries: the CPU step's attention and indexer spent
-    most of their time dequantising them again); the result is the same to the bit. On other
-    devices and while a graph is traced (``torch.unique`` has a data-dependent size: a host sync,
-    no CUDA-graph capture, no symbolic trace) every slot is dequantised where it stands."""
+    Where :func:`~.functional.may_select` allows it, each distinct slot is dequantised once and the
+    rows copied out (the rows of one request's chunk read mostly the same entries: the CPU step's
+    attention and indexer spent most of their time dequantising them again); the result is the
+    same to the bit. Elsewhere every slot is dequantised where it stands."""
     flat = slots.reshape(-1)
-    if flat.device.type == "cpu" and not torch.compiler.is_compiling():
+    if may_select(flat):
         distinct, where = torch.unique(flat, return_inverse=True)
         return _dequantize_at(cache, distinct, page_size, views, dequantize)[where].reshape(*slots.shape, -1)
     return _dequantize_at(cache, flat, page_size, views, dequantize).reshape(*slots.shape, -1)
