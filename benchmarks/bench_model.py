@@ -35,6 +35,8 @@ Ways (the same model and weights):
     compiled_step_graphs  compiled with ``cuda_graphs="step"``: the whole step captured as one CUDA
                    graph per input signature, replayed without entering Dynamo; not in the default
                    ``--ways``
+    compiled_step_graphs_pdl  the same with Inductor's kernels under programmatic dependent launch
+                   (``triton.enable_pdl``); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -88,7 +90,7 @@ from dsv4_compile.testing.random_model import random_hf_model
 # compiled with the default passes less one
 WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean",
-        "compiled_step_graphs")
+        "compiled_step_graphs", "compiled_step_graphs_pdl")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -475,6 +477,10 @@ def run(args) -> dict:
     if "compiled_step_graphs" in args.ways:
         measure_backend(backend, "compiled_step_graphs",
                         compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
+    if "compiled_step_graphs_pdl" in args.ways:
+        measure_backend(backend, "compiled_step_graphs_pdl",
+                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
+                                     options={"triton.enable_pdl": True}), args, results)
     return summarize(results, model.config, args)
 
 

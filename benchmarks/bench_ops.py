@@ -7,6 +7,7 @@ Usage:
     python benchmarks/bench_ops.py --only experts --batch 1 8 32 256
     python benchmarks/bench_ops.py --only indexer_logits --capacity 131072 1048576 --batch 256
     python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
+    python benchmarks/bench_ops.py --only indexer_topk --select rank --batch 1 8 --capacity 4096 8192
     TRITON_INTERPRET=1 python benchmarks/bench_ops.py --dry-run --device cpu --batch 1 4 --capacity 1024
 
 Timing: ``dsv4_compile.testing.bench.graph_us`` (``--inner`` calls captured in one CUDA graph,
@@ -29,7 +30,8 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
 * indexer: ``indexer_prepare_q`` (b rows x 64 heads); ``indexer_logits`` (the scan alone) and
   ``indexer_topk`` (scan + select) for every capacity (tokens per request, 1M = 262144 c4
   entries): every request at full length, so each row scans ``capacity / 4`` entries; K = 512.
-  Target: scan >= 60% of HBM bandwidth at >= 128k. All share one random-code index cache sized
+  Target: scan >= 60% of HBM bandwidth at >= 128k. ``--select`` forces one path of the select
+  (``rank``, ``row`` or ``split``; ``ops/kernels/topk_select.py``) instead of the launcher's choice. All share one random-code index cache sized
   for the largest b x capacity; the reference is timed only up to 2^22 scanned entries (it
   gathers fp32 keys: seconds per call beyond).
 * experts: ``routed_experts`` for b tokens over 8 experts (2 a token, 4 layers' weights cycled)
@@ -59,6 +61,7 @@ from dsv4_compile.ops.kernels import experts as expert_kernels
 from dsv4_compile.ops.kernels import indexer as index_kernels
 from dsv4_compile.ops.kernels import kv_cache as kv_kernels
 from dsv4_compile.ops.kernels import metadata as meta_kernels
+from dsv4_compile.ops.kernels import topk_select
 from dsv4_compile.reference import compressor as ref_comp
 from dsv4_compile.reference import indexer as ref_index
 from dsv4_compile.reference import kv_store as ref_kv
@@ -364,6 +367,12 @@ def run(args) -> dict:
             "results": results, "summary": summary}
 
 
+# the launcher's limits that force each path of the top-k select
+SELECT_LIMITS = {"rank": {"_RANK_SELECT_MAX_PAIRS": 1 << 62},
+                 "row": {"_RANK_SELECT_MAX_PAIRS": 0, "_ROW_SELECT_MAX_CAPACITY": 1 << 62},
+                 "split": {"_RANK_SELECT_MAX_PAIRS": 0, "_ROW_SELECT_MAX_CAPACITY": 0}}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests (rows) per step")
@@ -379,7 +388,11 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="call each case once, no timing "
                         "(a smoke test; with --device cpu it runs under TRITON_INTERPRET=1)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--select", choices=sorted(SELECT_LIMITS), help="force this path of the top-k select")
     args = parser.parse_args(argv)
+    if args.select:
+        for name, limit in SELECT_LIMITS[args.select].items():
+            setattr(topk_select, name, limit)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA device")
     if not args.dry_run and args.device != "cuda":

@@ -15,6 +15,8 @@ Ways (the same stack, cache and step tensors):
                      the default FX passes, dynamic shapes, device checks
     compile-step-graphs  the same with cuda_graphs="step": the whole compiled step captured as one
                      CUDA graph per input signature, replayed without entering Dynamo
+    compile-step-graphs-pdl  the same with Inductor's kernels under programmatic dependent launch
+                     (``triton.enable_pdl``)
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -27,7 +29,10 @@ bytes at ``--hbm-tbps``; "TB/s" those bytes over the step time. ``--profile`` ad
 ``torch.profiler`` figures over ``--iters`` back-to-back steps: wall µs per step, GPU busy µs (summed
 kernel times), host overhead (their difference: the time the GPU waits for the host) and kernels
 per step. ``--host`` adds, per graph way, the host's own µs per call with the GPU kept busy
-(``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so none waits for the device).
+(``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so none waits for the device);
+for the whole-step-graph ways also the µs per call of calls issued back to back, against the
+same loop of bare ``replay()`` calls of the graph they replay: their difference is what the host
+adds to a stream of steps (the profiler's wall − busy also counts its own per-kernel overhead).
 """
 
 from __future__ import annotations
@@ -44,7 +49,8 @@ from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
 from dsv4_compile.testing.bench import header, host_us_per_call, profile_steps
 
-GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "manual-graph")  # --profile / --host
+GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl", "manual-graph")  # --profile / --host
+STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl")  # --host: also back to back, and the graph alone
 
 
 def parse_args():
@@ -120,6 +126,23 @@ def _time(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def _back_to_back(fn, iters: int, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the µs per call of ``iters`` calls issued back to back (CUDA
+    events around the loop, no wait between calls): what a call costs when the host runs ahead."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / iters)
+    return statistics.median(times)
+
+
 def _manual_graph(stack, x, step):
     """Static copies of the inputs, the eager step captured once, replay after copying inputs in."""
     static_x = x.clone()
@@ -157,7 +180,9 @@ def run(args) -> list[dict]:
                     "reduce-overhead": torch.compile(stack, mode="reduce-overhead", fullgraph=True,
                                                      dynamic=False),
                     "compile-step": compile_step(stack, mode="reduce-overhead"),
-                    "compile-step-graphs": compile_step(stack, mode="reduce-overhead", cuda_graphs="step")}
+                    "compile-step-graphs": compile_step(stack, mode="reduce-overhead", cuda_graphs="step"),
+                    "compile-step-graphs-pdl": compile_step(stack, mode="reduce-overhead", cuda_graphs="step",
+                                                            options={"triton.enable_pdl": True})}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:
@@ -174,6 +199,10 @@ def run(args) -> list[dict]:
                 row[f"{way}_tbps"] = weight_bytes / row[way] / 1e6
                 if args.host and way in GRAPH_WAYS:  # before profiling: the profiler slows later launches
                     row[f"{way}_host_us"] = host_us_per_call(fn, args.iters)
+                if args.host and way in STEP_GRAPH_WAYS:
+                    # the host's cost in a stream of steps: the calls against their captured graph alone
+                    row[f"{way}_back_to_back_us"] = _back_to_back(fn, args.iters)
+                    row[f"{way}_replay_us"] = _back_to_back(compiled[way].graphs.captured(x, step).replay, args.iters)
                 if args.profile and way in GRAPH_WAYS:
                     prof = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
                     row[f"{way}_profile"] = prof
@@ -189,6 +218,9 @@ def run(args) -> list[dict]:
                           flush=True)
                 if (host := row.get(f"{way}_host_us")) is not None:
                     print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
+                if (replay := row.get(f"{way}_replay_us")) is not None:
+                    print(f"    {way}: back to back {row[f'{way}_back_to_back_us']:.1f}us a call, its graph's "
+                          f"replays alone {replay:.1f}us", flush=True)
             results.append(row)
         del stack, engine, compiled
         torch._dynamo.reset()

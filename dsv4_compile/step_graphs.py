@@ -61,6 +61,13 @@ def _flat_inputs(x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, .
     return [x, *step.tensors(), *extra]
 
 
+def _key(inputs: list[torch.Tensor]) -> tuple:
+    """A call's signature: the inputs' shapes and dtypes, and inference mode (static copies made
+    under it are inference tensors, which take in-place copies only under inference mode, and
+    Dynamo compiles a frame of their own for its calls)."""
+    return (torch.is_inference_mode_enabled(), *((t.shape, t.dtype) for t in inputs))
+
+
 def _copy_in(sig: _Signature, inputs: list[torch.Tensor]) -> None:
     """Copy a call's inputs into ``sig``'s static tensors in one launch: as bytes, every pair has
     one dtype, which ``torch._foreach_copy_`` needs to copy them all in one kernel (a launch costs
@@ -102,9 +109,7 @@ class StepGraphs:
 
     def __call__(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> Any:
         inputs = _flat_inputs(x, step, extra)
-        # inference mode too: its static copies are inference tensors, which only take in-place
-        # copies under inference mode, and Dynamo compiles a frame of their own for its calls
-        key = (torch.is_inference_mode_enabled(), *((t.shape, t.dtype) for t in inputs))
+        key = _key(inputs)
         sig = self.signatures.get(key)
         if sig is None:  # a signature is kept once its step has run: its frame is compiled then
             sig = _static_copy(x, step, extra)
@@ -120,6 +125,12 @@ class StepGraphs:
                 raise
         sig.graph.replay()
         return sig.outputs
+
+    def captured(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...] = ()
+                 ) -> torch.cuda.CUDAGraph | None:
+        """The graph calls with these inputs' signature replay, once captured (else None)."""
+        sig = self.signatures.get(_key(_flat_inputs(x, step, extra)))
+        return sig.graph if sig is not None else None
 
     @property
     def num_graphs(self) -> int:
