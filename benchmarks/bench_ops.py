@@ -7,7 +7,7 @@ Usage:
     python benchmarks/bench_ops.py --only experts --batch 1 8 32 256
     python benchmarks/bench_ops.py --only indexer_logits --capacity 131072 1048576 --batch 256
     python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
-    python benchmarks/bench_ops.py --only indexer_topk --select rank --batch 1 8 --capacity 4096 8192
+    python benchmarks/bench_ops.py --only indexer_topk --select split --batch 1 8 --capacity 4096 8192
     TRITON_INTERPRET=1 python benchmarks/bench_ops.py --dry-run --device cpu --batch 1 4 --capacity 1024
 
 Timing: ``dsv4_compile.testing.bench.graph_us`` (``--inner`` calls captured in one CUDA graph,
@@ -30,10 +30,10 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
 * indexer: ``indexer_prepare_q`` (b rows x 64 heads); ``indexer_logits`` (the scan alone) and
   ``indexer_topk`` (scan + select) for every capacity (tokens per request, 1M = 262144 c4
   entries): every request at full length, so each row scans ``capacity / 4`` entries; K = 512.
-  Target: scan >= 60% of HBM bandwidth at >= 128k. ``--select`` forces one path of the select
-  (``rank``, ``row`` or ``split``; ``ops/kernels/topk_select.py``) instead of the launcher's choice. All share one random-code index cache sized
+  Target: scan >= 60% of HBM bandwidth at >= 128k. All share one random-code index cache sized
   for the largest b x capacity; the reference is timed only up to 2^22 scanned entries (it
-  gathers fp32 keys: seconds per call beyond).
+  gathers fp32 keys: seconds per call beyond). ``--select`` forces one path of the select
+  (``row`` or ``split``; ``ops/kernels/topk_select.py``) in place of the launcher's choice.
 * experts: ``routed_experts`` for b tokens over 8 experts (2 a token, 4 layers' weights cycled)
   and 256 (6 a token), against the grouped GEMMs transformers' ``grouped_mm`` path runs.
 
@@ -368,9 +368,7 @@ def run(args) -> dict:
 
 
 # the launcher's limits that force each path of the top-k select
-SELECT_LIMITS = {"rank": {"_RANK_SELECT_MAX_PAIRS": 1 << 62},
-                 "row": {"_RANK_SELECT_MAX_PAIRS": 0, "_ROW_SELECT_MAX_CAPACITY": 1 << 62},
-                 "split": {"_RANK_SELECT_MAX_PAIRS": 0, "_ROW_SELECT_MAX_CAPACITY": 0}}
+SELECT_LIMITS = {"row": {"_ROW_SELECT_MAX_CAPACITY": 1 << 62}, "split": {"_ROW_SELECT_MAX_CAPACITY": 0}}
 
 
 def main(argv=None) -> None:

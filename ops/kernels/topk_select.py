@@ -28,13 +28,6 @@ Everything is decided per row on the device:
   and runs the four radix levels of step 3 on all of them (no bucket pass, no candidate list),
   then emits the selected slots with one ``cumsum``: one launch and one read of the row, where
   the split passes pay three dependent launches and several memory round trips.
-* Steps with few pairs of entries (``rows * capacity**2 <= _RANK_SELECT_MAX_PAIRS``: decode-sized
-  batches): ``_rank_select_kernel`` (grid ``[T, capacity / RANK_I]``) ranks each entry against
-  every entry of its row, by key, ties to the lower index (so ranks are a permutation of
-  ``[0, n)``), and writes the entry ranked ``i < K`` to ``out[q, i]``. No histogram, no prefix
-  sum, no pass depends on another: every program is independent, so one row spreads over many
-  SMs, where the one-program select runs its four dependent histograms on one. The work is
-  ``n**2`` per row, hence the pair budget.
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -58,11 +51,6 @@ _MAX_SELECT_SPLITS = 64
 # 49.6; 4096 entries 17.8 / 29.7 / 71.9 against 19.4 / 23.3 / 79.9 (its four full-row histograms
 # cost more than the split passes' one once the row is long).
 _ROW_SELECT_MAX_CAPACITY = 2048
-# Steps of at most this many (entry, entry) pairs (rows x capacity²) rank every entry against its
-# row instead (``_rank_select_kernel``), _RANK_I entries a program, _RANK_J compared per iteration.
-_RANK_SELECT_MAX_PAIRS = 1 << 25
-_RANK_I = 32
-_RANK_J = 256
 
 
 @triton.jit
@@ -323,37 +311,6 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
     _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
 
 
-@triton.jit
-def _rank_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, num_pages, topk, stride_workspace,
-                        stride_pt, stride_out, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PAGE: tl.constexpr,
-                        PDL: tl.constexpr):
-    """Program ``(r, p)`` (grid ``[T, cdiv(max(capacity, K), BLOCK_I)]``) owns entries
-    ``i in [p BLOCK_I, +BLOCK_I)`` of row ``r``. ``n > K``: the rank of entry ``i`` is the number of
-    the row's entries with a larger key, or an equal key and a smaller index; the entry goes to
-    ``out[r, rank]`` if its rank is below K (exactly K do, each to its own column). ``n <= K``: it
-    writes ``out[r, i]`` = the slot of entry ``i`` if ``i < n``, else -1."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-    r = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
-    if n > topk:
-        logits = workspace_ptr + r.to(tl.int64) * stride_workspace
-        mine = i < n
-        key = _ordered_key(tl.load(logits + i, mask=mine, other=0.0))
-        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
-        if tl.program_id(1) * BLOCK_I < n:
-            for j0 in range(0, n, BLOCK_J):
-                j = j0 + tl.arange(0, BLOCK_J)
-                other = _ordered_key(tl.load(logits + j, mask=j < n, other=0.0))
-                ahead = (other[None, :] > key[:, None]) | ((other[None, :] == key[:, None]) & (j[None, :] < i[:, None]))
-                rank += tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
-        take = mine & (rank < topk)
-        tl.store(out_row + rank, _slot(pt_row, i, take, num_pages, PAGE), mask=take)
-    else:
-        tl.store(out_row + i, tl.where(i < n, _slot(pt_row, i, i < n, num_pages, PAGE), -1), mask=i < topk)
-
-
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
                        visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
                        num_pages: int, rows: int, pdl: bool = False) -> None:
@@ -375,12 +332,6 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
                                       topk, 1,
                                       workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
-        return
-    if rows * capacity * capacity <= _RANK_SELECT_MAX_PAIRS:
-        _rank_select_kernel[(rows, triton.cdiv(max(capacity, topk), _RANK_I))](
-            workspace, visible, page_table, out, row0, capacity, num_pages, topk, workspace.stride(0),
-            page_table.stride(0), out.stride(0), BLOCK_I=_RANK_I, BLOCK_J=_RANK_J, PAGE=page, PDL=pdl,
-            num_warps=4, launch_pdl=pdl)
         return
     if capacity <= _ROW_SELECT_MAX_CAPACITY:
         cap = triton.next_power_of_2(capacity)

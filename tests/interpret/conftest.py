@@ -29,13 +29,12 @@ def device():
     return "cpu" if INTERPRET else "cuda"
 
 
-@pytest.fixture(params=["rank", "row", "split"])
+@pytest.fixture(params=["row", "split"])
 def select_path(request, monkeypatch):
-    """Every path of the top-k select, forced through the limits that pick it: every entry ranked
-    against its row (few pairs), one program per row (short rows), or the three split passes."""
+    """Both paths of the top-k select: one program per row (short rows), or the three split
+    passes (longer rows; forced here by a row limit of 0)."""
     from dsv4_compile.ops.kernels import topk_select
 
-    monkeypatch.setattr(topk_select, "_RANK_SELECT_MAX_PAIRS", 1 << 62 if request.param == "rank" else 0)
     if request.param == "split":
         monkeypatch.setattr(topk_select, "_ROW_SELECT_MAX_CAPACITY", 0)
     return request.param
