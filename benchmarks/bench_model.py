@@ -30,6 +30,8 @@ Ways (the same model and weights):
                    the default ``--ways``
     compiled_unfused_norm_rope  compiled without ``FuseNormRopePass`` (each query / key norm +
                    RoPE as Inductor compiles it); not in the default ``--ways``
+    compiled_unfused_key_store  compiled without ``FuseKeyStorePass`` (each key's norm + RoPE and its
+                   cache write two launches); not in the default ``--ways``
     compiled_lean  compiled with ``model_guards=False`` (no Dynamo guards on the model's
                    parameters: less host time per call); not in the default ``--ways``
     compiled_step_graphs  compiled with ``cuda_graphs="step"``: the whole step captured as one CUDA
@@ -79,7 +81,7 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes import DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -88,7 +90,8 @@ from dsv4_compile.testing.bench import compiled_ratios, header, host_us_per_call
 from dsv4_compile.testing.random_model import random_hf_model
 
 # compiled with the default passes less one
-WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass}
+WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass,
+                "compiled_unfused_key_store": FuseKeyStorePass}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl")
 DEFAULT_WAYS = WAYS[:3]

@@ -5,8 +5,9 @@ list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidat
 The default list holds the passes measured to pay on the H200: the metadata fusion, the Sinkhorn
 fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 39 µs at 64:
 benchmarks/README.md, "Hyper-connections") and the shared-input linear fusion (the benchmark
-model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels) and the norm + RoPE
-fusion (docs/compile.md, "The norm + RoPE fusion pass"). Another list is given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
+model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels), the norm + RoPE
+fusion (docs/compile.md, "The norm + RoPE fusion pass") and, after it, the key's cache write
+folded into its norm + RoPE (one launch less a layer). Another list is given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import torch
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_key_store import FuseKeyStorePass
 from .fuse_norm_rope import FuseNormRopePass
 from .fuse_shared_input_linears import FuseSharedInputLinearsPass
 from .fuse_sinkhorn import FuseSinkhornPass
@@ -24,7 +26,8 @@ from .fuse_step_metadata import FuseStepMetadataPass
 
 def default_passes() -> list[DSV4InductorPass]:
     """A fresh instance of each default pass, in the order they run."""
-    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseNormRopePass()]
+    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseNormRopePass(),
+            FuseKeyStorePass()]
 
 
 class DSV4PassManager(DSV4InductorPass):

@@ -59,7 +59,7 @@ def _check_store_index_k(cache, slots, k, page_size) -> None:
     _check_slots_and_keys("store_index_k", slots, k, (torch.bfloat16, torch.float32), INDEX_HEAD_DIM)
 
 
-def _writes_only(*_) -> None:
+def writes_only(*_) -> None:
     """Fake of a cache write: no output."""
 
 
@@ -67,7 +67,7 @@ def _dequant_kv_fake(cache, slots, page_size):
     return cache.new_empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16)
 
 
-@dsv4_op("store_kv", check=_check_store_kv, fake=_writes_only,
+@dsv4_op("store_kv", check=_check_store_kv, fake=writes_only,
          cuda=kernels.launch_store_kv if HAS_TRITON else None, mutates_args=("cache",))
 def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at slot ``slots[n]`` (int32/int64
@@ -84,7 +84,7 @@ def dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torc
     return ref.gather_model1(cache, slots, page_size).to(torch.bfloat16)
 
 
-@dsv4_op("store_index_k", check=_check_store_index_k, fake=_writes_only,
+@dsv4_op("store_index_k", check=_check_store_index_k, fake=writes_only,
          cuda=kernels.launch_store_index_k if HAS_TRITON else None, mutates_args=("cache",))
 def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise indexer keys ``k [N, 128]`` (fp8 + fp32 scale per entry) and write row n at

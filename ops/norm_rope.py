@@ -1,9 +1,12 @@
-"""RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``.
+"""RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``; and for a layer's key, followed by its
+cache write too: ``dsv4::rms_norm_rope_store_kv``.
 
-The model does not call the op: a compiled step gets it from ``FuseNormRopePass``
+The model calls neither op: a compiled step gets the first from ``FuseNormRopePass``
 (``fx_passes/fuse_norm_rope.py``), which finds a layer's query norm + RoPE (per head) and key norm
-+ RoPE in the graph and replaces each chain by one call. On CUDA that is one Triton launch
-(``ops/kernels/norm_rope.py``); elsewhere the reference, the unfused math.
++ RoPE in the graph and replaces each chain by one call, and the second from ``FuseKeyStorePass``
+(``fx_passes/fuse_key_store.py``), which folds a key's ``rms_norm_rope`` into the ``store_kv``
+that is its only reader. On CUDA each is one Triton launch (``ops/kernels/norm_rope.py``);
+elsewhere the reference, the unfused math.
 
 Shape legend: T tokens, H heads, D = row length, R = RoPE dims (2 x len(inv_freq)).
 """
@@ -12,9 +15,12 @@ from __future__ import annotations
 
 import torch
 
+from ..config import HEAD_DIM, ROPE_DIM
 from ..reference import functional as ref
-from ._checks import check_devices, check_tensor
+from ..reference import kv_store
+from ._checks import SLOT_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
+from .kv_cache import check_model1_cache, writes_only
 
 if HAS_TRITON:
     from .kernels import norm_rope as kernels
@@ -22,8 +28,7 @@ if HAS_TRITON:
 DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq) -> None:
-    op = "rms_norm_rope"
+def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op: str = "rms_norm_rope") -> None:
     check_tensor(op, "x", x, dtypes=DTYPES)
     if x.dim() not in (2, 3):
         raise ValueError(f"dsv4.{op}: x must be [T, D] or [T, H, D], got shape {tuple(x.shape)}")
@@ -57,3 +62,27 @@ def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, roun
     Returns x's shape and dtype, contiguous (``reference.functional.rms_norm_rope``).
     """
     return ref.rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq).contiguous()
+
+
+def _check_rms_norm_rope_store_kv(cache, slots, x, weight, eps, round_scale, positions, inv_freq, page_size) -> None:
+    op = "rms_norm_rope_store_kv"
+    check_tensor(op, "x", x, dtypes=(torch.bfloat16,), ndim=2, shape=(None, HEAD_DIM))
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1, shape=(ROPE_DIM // 2,))
+    _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op)
+    check_tensor(op, "slots", slots, dtypes=SLOT_DTYPES, ndim=1)
+    check_same_rows(op, slots=slots, x=x)
+    check_model1_cache(op, "cache", cache, page_size)
+    check_devices(op, cache=cache, slots=slots, x=x)
+
+
+@dsv4_op("rms_norm_rope_store_kv", check=_check_rms_norm_rope_store_kv, fake=writes_only,
+         cuda=kernels.launch_rms_norm_rope_store_kv if HAS_TRITON else None, mutates_args=("cache",))
+def rms_norm_rope_store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
+                           eps: float, round_scale: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
+                           page_size: int) -> None:
+    """``store_kv(cache, slots, rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq),
+    page_size)`` in one op: keys ``x [T, 512] bf16`` normed, rotated on their last 64 dims
+    (``inv_freq [32] fp32``), quantised to MODEL1 and written at ``slots [T]`` of ``cache
+    [N_pages, Nb] uint8`` (rows whose slot is outside ``[0, N_pages * P)`` are skipped)."""
+    kv_store.store_model1(cache, slots, ref.rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq),
+                          page_size)

@@ -35,12 +35,41 @@ def _slot_page(slots_ptr, row, capacity, PAGE: tl.constexpr):
 
 
 @triton.jit
-def _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE: tl.constexpr,
-                      DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
+def model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE: tl.constexpr,
+                     DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr):
     """``(valid, data_ptr, scale_ptr)`` of the MODEL1 token at ``slots[row]`` (layout.py)."""
     valid, page, off = _slot_page(slots_ptr, row, capacity, PAGE)
     page_ptr = cache_ptr + page * stride_page
     return valid, page_ptr + off * DATA_BYTES, page_ptr + PAGE * DATA_BYTES + off * SCALE_BYTES
+
+
+@triton.jit
+def model1_tiles(TILE: tl.constexpr):
+    """``[8, TILE]`` element indices of a key seen as 8 tiles: 7 nope tiles, then the rope."""
+    return tl.arange(0, 8)[:, None] * TILE + tl.arange(0, TILE)[None, :]
+
+
+@triton.jit
+def model1_rope_ptr(data_ptr, NOPE: tl.constexpr):
+    """The bf16 rope values of a MODEL1 token (its byte offset is even)."""
+    return (data_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))
+
+
+@triton.jit
+def store_model1_nope(data_ptr, scale_ptr, x, valid, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+                      FP8_MAX: tl.constexpr, EPS: tl.constexpr, BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """The nope tiles of ``x [8, TILE] fp32`` (a key as :func:`model1_tiles` lays it out; tile 7,
+    the rope, is ignored) quantised to FP8 with a power-of-two scale per tile, and the scale
+    bytes (byte 7 the zero pad) written at ``data_ptr`` / ``scale_ptr`` if ``valid``."""
+    tile = tl.arange(0, 8)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)  # [8]
+    exponent = ceil_log2(tl.math.div_rn(amax, FP8_MAX))
+    is_nope = tile < NUM_TILES
+    # 2**-exponent from its bits (exact; the rope tile's value is unused)
+    inv_scale = (tl.where(is_nope, 127 - exponent, 127) << 23).to(tl.float32, bitcast=True)
+    fp8 = to_e4m3_bits(tl.clamp(x * inv_scale[:, None], -FP8_MAX, FP8_MAX), SOFT_FP8)
+    tl.store(data_ptr + model1_tiles(TILE), fp8, mask=is_nope[:, None] & valid)
+    tl.store(scale_ptr + tile, tl.where(is_nope, exponent + BIAS, 0).to(tl.uint8), mask=valid)
 
 
 @triton.jit
@@ -54,27 +83,14 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, stride_
     tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
     tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
     row = tl.program_id(0).to(tl.int64)
-    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
-                                                   DATA_BYTES, SCALE_BYTES)
+    valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
+                                                  DATA_BYTES, SCALE_BYTES)
 
-    tile = tl.arange(0, 8)
-    col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64] element index
-    x = tl.load(k_ptr + row * stride_kn + col * stride_kd).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), EPS)  # [8]
-    exponent = ceil_log2(tl.math.div_rn(amax, FP8_MAX))
-    is_nope = tile < NUM_TILES
-    # 2**-exponent from its bits (exact; the rope tile's value is unused)
-    inv_scale = (tl.where(is_nope, 127 - exponent, 127) << 23).to(tl.float32, bitcast=True)
-    fp8 = to_e4m3_bits(tl.clamp(x * inv_scale[:, None], -FP8_MAX, FP8_MAX), SOFT_FP8)
-    tl.store(data_ptr + col, fp8, mask=is_nope[:, None] & valid)
-
+    x = tl.load(k_ptr + row * stride_kn + model1_tiles(TILE) * stride_kd).to(tl.float32)
+    store_model1_nope(data_ptr, scale_ptr, x, valid, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
     r = tl.arange(0, ROPE)
     rope = tl.load(k_ptr + row * stride_kn + (NOPE + r) * stride_kd)
-    rope_ptr = (data_ptr + NOPE).to(tl.pointer_type(tl.bfloat16))  # byte offset is even
-    tl.store(rope_ptr + r, rope, mask=valid)
-
-    scales = tl.where(is_nope, exponent + BIAS, 0).to(tl.uint8)  # byte 7 is the zero pad
-    tl.store(scale_ptr + tile, scales, mask=valid)
+    tl.store(model1_rope_ptr(data_ptr, NOPE) + r, rope, mask=valid)
 
 
 @triton.jit
@@ -85,12 +101,12 @@ def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, capacity, stride_page, str
     """MODEL1 bytes of slot ``slots[n]`` -> row n of ``out [N, 512] bf16`` (zeros if the slot is
     outside ``[0, capacity)``)."""
     row = tl.program_id(0).to(tl.int64)
-    valid, data_ptr, scale_ptr = _model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
-                                                   DATA_BYTES, SCALE_BYTES)
+    valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
+                                                  DATA_BYTES, SCALE_BYTES)
 
     tile = tl.arange(0, 8)
     is_nope = tile < NUM_TILES
-    col = tile[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [8, 64]
+    col = model1_tiles(TILE)
     # an invalid slot reads nothing: code 0 (+0.0) at scale 1, rope 0
     code = tl.load(data_ptr + col, mask=is_nope[:, None] & valid, other=0)
     e = tl.load(scale_ptr + tile, mask=is_nope & valid, other=BIAS).to(tl.int32)
@@ -101,7 +117,7 @@ def _dequant_kv_kernel(out_ptr, cache_ptr, slots_ptr, capacity, stride_page, str
     tl.store(out_ptr + row * stride_on + col, nope.to(tl.bfloat16), mask=is_nope[:, None])
 
     r = tl.arange(0, ROPE)
-    rope = tl.load((data_ptr + NOPE).to(tl.pointer_type(tl.bfloat16)) + r, mask=valid, other=0.0)
+    rope = tl.load(model1_rope_ptr(data_ptr, NOPE) + r, mask=valid, other=0.0)
     tl.store(out_ptr + row * stride_on + NOPE + r, rope)
 
 
@@ -123,12 +139,12 @@ def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, st
     tl.store(scale_ptr, sigma, mask=valid)
 
 
-def _check_page_rows(op: str, cache: torch.Tensor) -> None:
+def check_page_rows(op: str, cache: torch.Tensor) -> None:
     if cache.stride(1) != 1:
         raise ValueError(f"dsv4.{op}: cache pages must be contiguous bytes, got strides {cache.stride()}")
 
 
-def _model1_constants() -> dict:
+def model1_constants() -> dict:
     return dict(DATA_BYTES=layout.TOKEN_DATA_BYTES, SCALE_BYTES=layout.TOKEN_SCALE_BYTES, NOPE=NOPE_DIM,
                 ROPE=ROPE_DIM, TILE=layout.FP8_TILE, NUM_TILES=layout.NUM_TILES, BIAS=layout.UE8M0_BIAS)
 
@@ -137,24 +153,24 @@ def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, p
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (int32/int64 [N];
     outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, Nb] uint8`` (pages may be strided,
     bytes contiguous)."""
-    _check_page_rows("store_kv", cache)
+    check_page_rows("store_kv", cache)
     if k.shape[0] == 0:
         return
     _store_kv_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
-        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **_model1_constants(), SOFT_FP8=INTERPRET,
+        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **model1_constants(), SOFT_FP8=INTERPRET,
         num_warps=4)
 
 
 def launch_dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
     """Keys at ``slots [N]`` of a MODEL1 cache as ``[N, 512] bf16`` (zeros for slots outside
     ``[0, N_pages * P)``)."""
-    _check_page_rows("dequant_kv", cache)
+    check_page_rows("dequant_kv", cache)
     out = torch.empty(slots.shape[0], HEAD_DIM, dtype=torch.bfloat16, device=cache.device)
     if slots.shape[0]:
         _dequant_kv_kernel[(slots.shape[0],)](
             out, cache, slots.contiguous(), cache.shape[0] * page_size, cache.stride(0), out.stride(0), PAGE=page_size,
-            **_model1_constants(), num_warps=4)
+            **model1_constants(), num_warps=4)
     return out
 
 
@@ -162,7 +178,7 @@ def launch_store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tens
                          page_size: int) -> None:
     """Quantise indexer keys ``k [N, 128] bf16/fp32`` (fp8 + fp32 scale per entry) and write row n
     at ``slots[n]`` (outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, P * 132] uint8``."""
-    _check_page_rows("store_index_k", cache)
+    check_page_rows("store_index_k", cache)
     if k.shape[0] == 0:
         return
     _store_index_k_kernel[(k.shape[0],)](

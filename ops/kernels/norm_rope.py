@@ -1,12 +1,15 @@
-"""Triton kernel of ``dsv4::rms_norm_rope``: the RMSNorm and RoPE of one row (a token's key, or
-one head of its query) in one program.
+"""Triton kernels of ``dsv4::rms_norm_rope`` and ``dsv4::rms_norm_rope_store_kv``: the RMSNorm and
+RoPE of one row (a token's key, or one head of its query) in one program; for the second, the
+key's FP8 quantisation and cache write in the same program.
 
 Program ``r`` loads row ``r`` once, reduces its sum of squares in fp32, scales it (by the weight,
 or with the scale rounded to the row's dtype for ``round_scale``) and rounds to the row's dtype, as
 the unfused code rounds the norm's output before RoPE. It stores the first ``D - 2 * HALF``
 values and rotates the last ``2 * HALF`` in pairs ``(2i, 2i + 1)`` by ``pos * inv_freq[i]``
 (fp32, one rounding). Compiled unfused, the same chain was a reduction kernel and a pointwise
-kernel per call, the query's taking 18 µs at 8 tokens x 64 heads on the H200.
+kernel per call, the query's taking 18 µs at 8 tokens x 64 heads on the H200. The store variant
+quantises the rounded values as ``store_kv``'s kernel does (``kv_cache.store_model1_nope``) and
+writes the rotated pairs as the token's bf16 rope bytes.
 
 Shape legend: R = rows (tokens x heads), D = row length, HALF = RoPE pairs.
 """
@@ -16,6 +19,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from ... import layout
+from .host import INTERPRET
+from .kv_cache import check_page_rows, model1_constants, model1_rope_ptr, model1_slot_ptrs, model1_tiles, store_model1_nope
 
 
 @triton.jit
@@ -48,19 +55,62 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, 
     nope = D - 2 * HALF
     tl.store(out_row + cols, _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, dtype), mask=cols < nope)
 
-    even = nope + 2 * tl.arange(0, HALF)  # the RoPE pairs, re-read from L1
+    even = nope + 2 * tl.arange(0, HALF)
+    y0, y1 = _rotated_pairs(x_row, w_ptr, even, scale, tl.load(pos_ptr + row // rows_per_token), freq_ptr, HALF,
+                            HAS_WEIGHT, ROUND_SCALE, dtype)
+    tl.store(out_row + even, y0)
+    tl.store(out_row + even + 1, y1)
+
+
+@triton.jit
+def _rotated_pairs(x_row, w_ptr, even, scale, pos, freq_ptr, HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                   ROUND_SCALE: tl.constexpr, DTYPE: tl.constexpr):
+    """The RoPE pairs ``(even, even + 1)`` of a row (re-read from L1), normed by ``scale``,
+    rounded to ``DTYPE`` as the norm's output, rotated by ``pos * freq`` in fp32 and rounded again:
+    ``(first, second)`` of each pair, ``DTYPE``."""
     x0 = tl.load(x_row + even).to(tl.float32)
     x1 = tl.load(x_row + even + 1).to(tl.float32)
     w0, w1 = 0.0, 0.0
     if HAS_WEIGHT:
         w0 = tl.load(w_ptr + even).to(tl.float32)
         w1 = tl.load(w_ptr + even + 1).to(tl.float32)
-    y0 = _normed(x0, scale, w0, HAS_WEIGHT, ROUND_SCALE, dtype).to(tl.float32)
-    y1 = _normed(x1, scale, w1, HAS_WEIGHT, ROUND_SCALE, dtype).to(tl.float32)
-    angle = tl.load(pos_ptr + row // rows_per_token).to(tl.float32) * tl.load(freq_ptr + tl.arange(0, HALF))
+    y0 = _normed(x0, scale, w0, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
+    y1 = _normed(x1, scale, w1, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
+    angle = pos.to(tl.float32) * tl.load(freq_ptr + tl.arange(0, HALF))
     cos, sin = tl.cos(angle), tl.sin(angle)
-    tl.store(out_row + even, (y0 * cos - y1 * sin).to(dtype))
-    tl.store(out_row + even + 1, (y0 * sin + y1 * cos).to(dtype))
+    return (y0 * cos - y1 * sin).to(DTYPE), (y0 * sin + y1 * cos).to(DTYPE)
+
+
+@triton.jit
+def _norm_rope_store_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, cache_ptr, slots_ptr, capacity, stride_page, eps,
+                            HAS_WEIGHT: tl.constexpr, ROUND_SCALE: tl.constexpr, PAGE: tl.constexpr,
+                            DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NOPE: tl.constexpr,
+                            ROPE: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+                            FP8_MAX: tl.constexpr, EPS: tl.constexpr, BIAS: tl.constexpr,
+                            SOFT_FP8: tl.constexpr):
+    """Grid ``[T]``: key ``t`` of ``x [T, 512] bf16`` (contiguous) normed and rotated as
+    :func:`_norm_rope_kernel` does (its sum of squares reduced over the ``[8, 64]`` tiles, so it
+    may round differently), then quantised and written as ``store_kv`` writes a key, at
+    ``slots[t]`` if that slot is in ``[0, capacity)``: the normed key never goes to memory."""
+    tl.static_assert(NOPE + ROPE == 8 * TILE)
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * (NOPE + ROPE)
+    valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
+                                                  DATA_BYTES, SCALE_BYTES)
+    col = model1_tiles(TILE)
+    x = tl.load(x_row + col).to(tl.float32)
+    scale = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (NOPE + ROPE) + eps)
+    w = 0.0
+    if HAS_WEIGHT:
+        w = tl.load(w_ptr + col).to(tl.float32)
+    normed = _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, tl.bfloat16).to(tl.float32)
+    store_model1_nope(data_ptr, scale_ptr, normed, valid, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
+    pair = tl.arange(0, ROPE // 2)
+    y0, y1 = _rotated_pairs(x_row, w_ptr, NOPE + 2 * pair, scale, tl.load(pos_ptr + row), freq_ptr, ROPE // 2,
+                            HAS_WEIGHT, ROUND_SCALE, tl.bfloat16)
+    rope = model1_rope_ptr(data_ptr, NOPE)
+    tl.store(rope + 2 * pair, y0, mask=valid)
+    tl.store(rope + 2 * pair + 1, y1, mask=valid)
 
 
 def launch_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, round_scale: bool,
@@ -78,3 +128,19 @@ def launch_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: floa
                                HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale,
                                num_warps=max(1, min(4, block_d // 128)))
     return out
+
+
+def launch_rms_norm_rope_store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                                  weight: torch.Tensor | None, eps: float, round_scale: bool,
+                                  positions: torch.Tensor, inv_freq: torch.Tensor, page_size: int) -> None:
+    """``dsv4::rms_norm_rope_store_kv`` on CUDA (arguments as the op's, already checked): one
+    program a key."""
+    check_page_rows("rms_norm_rope_store_kv", cache)
+    if x.shape[0] == 0:
+        return
+    x = x.contiguous()
+    _norm_rope_store_kernel[(x.shape[0],)](
+        x, weight if weight is not None else x, positions, inv_freq.contiguous(), cache, slots.contiguous(),
+        cache.shape[0] * page_size, cache.stride(0), eps, HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale,
+        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **model1_constants(),
+        SOFT_FP8=INTERPRET, num_warps=4)

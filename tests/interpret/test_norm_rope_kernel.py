@@ -9,8 +9,12 @@ value agrees to two bf16 steps at its own scale (the RoPE output rounds once mor
 import pytest
 import torch
 
+from dsv4_compile import layout
+from dsv4_compile.ops.kernels import kv_cache as kv_cache_kernels
 from dsv4_compile.ops.kernels import norm_rope as kernels
 from dsv4_compile.reference import functional as ref
+from dsv4_compile.reference import kv_store
+from dsv4_compile.testing import cache_inputs as inputs
 
 
 def _close(got, want):
@@ -47,3 +51,48 @@ def test_int32_positions_and_no_tokens(device):
     assert torch.equal(kernels.launch_rms_norm_rope(x, None, 1e-6, True, positions.int(), inv_freq), wide)
     empty = kernels.launch_rms_norm_rope(x[:0], None, 1e-6, True, positions[:0], inv_freq)
     assert empty.shape == (0, 2, 512)
+
+
+@pytest.mark.parametrize("weight, round_scale", [(None, True), (torch.float32, False), (torch.bfloat16, False)])
+def test_store_variant_writes_what_the_two_kernels_write(device, weight, round_scale):
+    """The key's norm + RoPE + ``store_kv`` in one kernel against the norm + RoPE kernel followed by
+    the ``store_kv`` kernel: only the written tokens change (two slots negative, one past the
+    cache: skipped), their bytes equal but where the fused kernel's sum of squares, reduced over
+    tiles, rounds a value one bf16 step apart, and the dequantised keys agree within FP8 steps."""
+    page_size, num_pages = layout.SWA_PAGE_SIZE, 3
+    x, w, positions, inv_freq = _inputs(device, (9, 512), weight, seed=2)
+    gen = torch.Generator(device=device).manual_seed(2)
+    slots = inputs.distinct_slots(9, num_pages, page_size, gen, num_negative=2)
+    slots[(slots >= 0).nonzero()[0]] = num_pages * page_size
+    cache = torch.randint(0, 256, (num_pages, layout.model1_page_bytes(page_size)), generator=gen, device=device,
+                          dtype=torch.uint8)
+    fused, unfused = cache.clone(), cache.clone()
+    kernels.launch_rms_norm_rope_store_kv(fused, slots, x, w, 1e-6, round_scale, positions, inv_freq, page_size)
+    kv_cache_kernels.launch_store_kv(unfused, slots,
+                                     kernels.launch_rms_norm_rope(x, w, 1e-6, round_scale, positions, inv_freq),
+                                     page_size)
+    stored = slots[(slots >= 0) & (slots < num_pages * page_size)]
+    assert stored.numel() == 6
+    written = torch.zeros_like(cache, dtype=torch.bool)
+    for slot in stored.tolist():
+        page, off = divmod(slot, page_size)
+        at = layout.model1_offsets(page_size, off)
+        written[page, at.nope:at.nope + layout.TOKEN_DATA_BYTES] = True
+        written[page, at.scales:at.scales + layout.TOKEN_SCALE_BYTES] = True
+    assert torch.equal(fused[~written], cache[~written])
+    assert (fused[written] == unfused[written]).float().mean() >= 0.99
+    got, want = (kv_store.gather_model1(c.cpu(), stored.cpu(), page_size).float() for c in (fused, unfused))
+    torch.testing.assert_close(got, want, rtol=2 ** -3, atol=2 ** -6)
+    reference = cache.clone()
+    kv_store.store_model1(reference, slots, ref.rms_norm_rope(x, w, 1e-6, round_scale, positions, inv_freq),
+                          page_size)
+    torch.testing.assert_close(got, kv_store.gather_model1(reference.cpu(), stored.cpu(), page_size).float(),
+                               rtol=2 ** -3, atol=2 ** -6)
+
+
+def test_store_variant_no_tokens(device):
+    x, _, positions, inv_freq = _inputs(device, (0, 512), None)
+    cache = torch.zeros(2, layout.model1_page_bytes(layout.SWA_PAGE_SIZE), dtype=torch.uint8, device=device)
+    kernels.launch_rms_norm_rope_store_kv(cache, positions, x, None, 1e-6, True, positions, inv_freq,
+                                          layout.SWA_PAGE_SIZE)
+    assert not cache.any()

@@ -159,6 +159,18 @@ def test_rms_norm_rope(tokens, weight):
     _opcheck(ops.rms_norm_rope, _norm_rope_args(tokens, weight))
 
 
+def _key_store_args(tokens: int, weight: bool) -> tuple:
+    slots = torch.tensor([1, -1, 70, 130, 5])[:tokens]
+    return (torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8), slots, torch.randn(tokens, 512).bfloat16(),
+            torch.rand(512) + 0.5 if weight else None, 1e-6, not weight, torch.arange(tokens) * 7, torch.rand(32), 64)
+
+
+@pytest.mark.parametrize("weight", [False, True])
+@pytest.mark.parametrize("tokens", [0, 4])
+def test_rms_norm_rope_store_kv(tokens, weight):
+    _opcheck(ops.rms_norm_rope_store_kv, _key_store_args(tokens, weight))
+
+
 def _calls(state) -> dict[str, tuple]:
     """One valid call of every op of this library: op name -> arguments."""
     eng, cache, steps, metas = state
@@ -194,6 +206,7 @@ def _calls(state) -> dict[str, tuple]:
         "routed_experts": _experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
         "rms_norm_rope": _norm_rope_args(3, True),
+        "rms_norm_rope_store_kv": _key_store_args(4, True),
         **_hyper_connection_args(3),
     }
 
@@ -201,8 +214,8 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "rms_norm_rope", "hc_pre",
-           "hc_head", "hc_post"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "rms_norm_rope",
+           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
