@@ -21,12 +21,18 @@ pages.
 
 :meth:`PageAllocator.transaction` groups changes all-or-nothing: a step whose later request does
 not fit leaves the allocator and the index maps exactly as they were.
+
+A step's allocations (:meth:`PageAllocator.extend_requests`) compute their index-map entries on
+the host and send all of them to the device as one tensor: on a GPU each small tensor built from
+a Python list is a transfer the host waits for, and one per map and request made the host the
+bottleneck of a decode loop (benchmarks/README.md, "The runner's host time").
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import itertools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -94,6 +100,35 @@ class PageAllocator:
         """Allocate the next ``num_tokens`` positions of request ``row``; returns their full slots
         (``out_cache_loc``, int64 [num_tokens], on the cache's device). Evicts SWA pages that left
         the window first. Raises before changing anything if capacity would be exceeded."""
+        slots = self.extend_requests({row: num_tokens})
+        return torch.tensor(slots, dtype=torch.int64, device=self.cache.device)
+
+    def extend_requests(self, tokens: Mapping[int, int]) -> list[int]:
+        """:meth:`extend` of each request ``row`` by ``tokens[row]`` positions, in order, all or
+        nothing; returns the full slots of all of them, concatenated, as ints. The index-map
+        entries of every request go to the device in one transfer (a step's worth of small writes
+        would otherwise each be a transfer that waits for the device)."""
+        writes = _MapWrites()
+        with self.transaction():
+            slots = [slot for row, n in tokens.items() for slot in self._extend(row, n, writes)]
+            self._write(writes)
+        return slots
+
+    def _write(self, writes: "_MapWrites") -> None:
+        """The entries of ``writes``, every map's positions and values sent to the device as one
+        int64 tensor."""
+        lists = [part for entry in writes.entries.values() for part in entry]
+        if not any(lists):
+            return
+        packed = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64).to(self.cache.device)
+        at = 0
+        for buffer, (index, _) in writes.entries.items():
+            n = len(index)
+            self._set(buffer, packed[at:at + n], packed[at + n:at + 2 * n].to(buffer.dtype))
+            at += 2 * n
+
+    def _extend(self, row: int, num_tokens: int, writes: "_MapWrites") -> list[int]:
+        """:meth:`extend`, its index-map entries added to ``writes``; returns the full slots."""
         req = self._get(row)
         num_tokens = check_count("num_tokens", num_tokens)
         new_len = req.seq_len + num_tokens
@@ -113,28 +148,23 @@ class PageAllocator:
                 req.full_pages.append(self._free_full.pop())
             if i not in req.swa_pages:
                 req.swa_pages[i] = self._free_swa.pop()
-        full = self._write_maps(row, req, new_len)
+        full = self._map_entries(row, req, new_len, writes)
         req.seq_len = new_len
         req.high_water = max(req.high_water, new_len)
         return full
 
-    def _write_maps(self, row: int, req: _Request, new_len: int) -> torch.Tensor:
-        """Index map entries of positions ``req.seq_len .. new_len - 1`` (pages already assigned);
-        returns their full slots (int64, on the cache's device)."""
-        first, last = req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE)
-        pos = torch.arange(req.seq_len, new_len)
-        page = pos // PAGE_SIZE
-        full = torch.tensor(req.full_pages, dtype=torch.int64)[page] * PAGE_SIZE + pos % PAGE_SIZE
-        swa_map = torch.zeros(last, dtype=torch.int64)
-        for i, p in req.swa_pages.items():
-            swa_map[i] = p
-        swa = swa_map[page] * PAGE_SIZE + pos % PAGE_SIZE
-        cache, device = self.cache, self.cache.device
-        full = full.to(device)
-        self._set(cache.req_to_token, (row, slice(req.seq_len, new_len)), full.to(torch.int32))
-        self._set(cache.req_to_page, (row, slice(first, last)),
-                  torch.tensor(req.full_pages[first:last], dtype=torch.int32, device=device))
-        self._set(cache.full_to_swa, full, swa.to(device, torch.int32))
+    def _map_entries(self, row: int, req: _Request, new_len: int, writes: "_MapWrites") -> list[int]:
+        """Index map entries of positions ``req.seq_len .. new_len - 1`` (pages already assigned),
+        added to ``writes``; returns their full slots."""
+        cache = self.cache
+        positions = range(req.seq_len, new_len)
+        full = [req.full_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions]
+        swa = [req.swa_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions]
+        token_row, page_row = row * cache.req_to_token.shape[1], row * cache.req_to_page.shape[1]
+        pages = range(req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE))
+        writes.add(cache.req_to_token, [token_row + p for p in positions], full)
+        writes.add(cache.req_to_page, [page_row + i for i in pages], [req.full_pages[i] for i in pages])
+        writes.add(cache.full_to_swa, full, swa)
         return full
 
     def truncate(self, row: int, new_len: int) -> None:
@@ -215,7 +245,9 @@ class PageAllocator:
     # -- internals -----------------------------------------------------------------------------
     def _set(self, buffer: torch.Tensor, index, value) -> None:
         """``buffer[index] = value`` on an index map, remembering the old values inside a
-        transaction."""
+        transaction. A tensor ``index`` holds flat positions (``buffer`` is contiguous)."""
+        if isinstance(index, torch.Tensor):
+            buffer = buffer.view(-1)
         if self._journal is not None:
             self._journal.append((buffer, index, buffer[index].clone()))
         buffer[index] = value
@@ -233,3 +265,16 @@ class PageAllocator:
         full_page = req.full_pages[i]
         self._set(self.cache.full_to_swa, slice(full_page * PAGE_SIZE, (full_page + 1) * PAGE_SIZE), 0)
         self._free_swa.append(page)
+
+
+class _MapWrites:
+    """Index-map entries to write, gathered on the host: per map, flat positions and their values."""
+
+    def __init__(self) -> None:
+        self.entries: dict[torch.Tensor, tuple[list[int], list[int]]] = {}
+
+    def add(self, buffer: torch.Tensor, index: list[int], values: list[int]) -> None:
+        index_list, value_list = self.entries.setdefault(buffer, ([], []))
+        index_list += index
+        value_list += values
+

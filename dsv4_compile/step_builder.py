@@ -62,19 +62,22 @@ class StepBuilder:
             raise TypeError(f"tokens must be a mapping of request row to token count, got {type(tokens).__name__}")
         pad_requests, pad_tokens = check_count("pad_requests", pad_requests), check_count("pad_tokens", pad_tokens)
         with self.allocator.transaction():
-            locs = [self.allocator.extend(row, n) for row, n in tokens.items()]
-            return self._step(mode, list(tokens), locs, pad_requests, pad_tokens)
+            loc = self.allocator.extend_requests(tokens)
+            return self._step(mode, list(tokens), [tokens[row] for row in tokens], loc, pad_requests, pad_tokens)
 
-    def _step(self, mode: ForwardMode, rows: list[int], locs: list[torch.Tensor], pad_requests: int,
+    def _step(self, mode: ForwardMode, rows: list[int], ext: list[int], loc: list[int], pad_requests: int,
               pad_tokens: int) -> StepInputs:
-        """The step of requests ``rows`` whose new slots are ``locs``, padded as build_step says."""
-        ext = [loc.shape[0] for loc in locs]
+        """The step of requests ``rows``, ``ext[i]`` new positions each, whose full slots are
+        ``loc`` (concatenated), padded as build_step says."""
         seq_lens = [self.allocator.seq_len(row) for row in rows]
         if self.bucketed:
             pad_requests = max(pad_requests, bucket(len(rows), REQUEST_BUCKETS))
-            pad_tokens = max(pad_tokens, bucket(sum(ext), TOKEN_BUCKETS))
+            pad_tokens = max(pad_tokens, bucket(len(loc), TOKEN_BUCKETS))
         pad_b = max(0, pad_requests - len(rows))
         rows, seq_lens, ext = rows + [0] * pad_b, seq_lens + [0] * pad_b, ext + [0] * pad_b
-        loc = torch.cat(locs) if locs else torch.zeros(0, dtype=torch.int64, device=self.device)
-        return StepInputs.make(mode, rows, seq_lens, ext, loc, num_tokens=max(pad_tokens, loc.shape[0]),
-                               device=self.device)
+        loc = loc + [0] * max(0, pad_tokens - len(loc))
+        # one transfer for the four tensors (each of its own would wait for the device)
+        packed = torch.tensor(rows + seq_lens + ext + loc, dtype=torch.int64).to(self.device)
+        b = len(rows)
+        per_request = (packed[i * b:(i + 1) * b].to(torch.int32) for i in range(3))
+        return StepInputs.make(mode, *per_request, packed[3 * b:].clone(), device=self.device)

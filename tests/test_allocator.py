@@ -31,6 +31,25 @@ def test_slots_are_page_aligned_and_maps_written():
     assert torch.equal(cache.req_to_page[a, :2], page_map(cache.req_to_token)[a, :2])  # compact page map
 
 
+def test_extending_several_requests_at_once_writes_what_one_by_one_writes():
+    """extend_requests (one transfer of every map entry) against extend per request, on two
+    allocators taken through the same history (prefills, decodes crossing a page, an eviction of
+    a dead SWA page, a truncation): the same slots and the same maps."""
+    (one_cache, one), (all_cache, at_once) = _alloc(), _alloc()
+    rows = [one.admit() for _ in range(3)]
+    assert [at_once.admit() for _ in range(3)] == rows
+    for tokens in ({rows[0]: 300, rows[1]: 1, rows[2]: 255}, {r: 1 for r in rows}, {rows[2]: 0, rows[0]: 250},
+                   {rows[1]: 40, rows[2]: 2}):
+        want = torch.cat([one.extend(row, n) for row, n in tokens.items()])
+        assert at_once.extend_requests(tokens) == want.tolist()
+        for a, b in zip(one_cache.buffers(), all_cache.buffers()):
+            assert torch.equal(a, b)
+        if rows[1] in tokens:  # a rejected draft token
+            one.truncate(rows[1], one.seq_len(rows[1]) - 1)
+            at_once.truncate(rows[1], at_once.seq_len(rows[1]) - 1)
+    assert one.free_swa_pages == at_once.free_swa_pages and allocator_state(one) == allocator_state(at_once)
+
+
 def test_swa_pages_are_evicted_once_out_of_the_window():
     cache, alloc = _alloc()
     a = alloc.admit()
