@@ -113,33 +113,29 @@ def _decode_step(engine: Engine, rows) -> tuple[torch.Tensor, StepInputs]:
 
 def _time(fn, iters: int) -> float:
     """Median µs per call, CUDA events around each call (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return _event_us(fn, calls=1, repeats=iters)
 
 
-def _back_to_back(fn, iters: int, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the µs per call of ``iters`` calls issued back to back (CUDA
-    events around the loop, no wait between calls): what a call costs when the host runs ahead."""
+def _back_to_back(fn, iters: int) -> float:
+    """µs per call of ``iters`` calls issued back to back (CUDA events around the loop, no wait
+    between calls), median of 5 loops: what a call costs when the host runs ahead."""
+    return _event_us(fn, calls=iters, repeats=5)
+
+
+def _event_us(fn, calls: int, repeats: int) -> float:
+    """Median over ``repeats`` of the µs per call of ``calls`` calls between two CUDA events,
+    after 3 warm-up calls."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(repeats):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(iters):
+        for _ in range(calls):
             fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
+        times.append(start.elapsed_time(end) * 1e3 / calls)
     return statistics.median(times)
 
 

@@ -15,11 +15,9 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSinkhornPass,
                                     FuseStepMetadataPass)
-from dsv4_compile.model import enable
 from dsv4_compile.reference.functional import rms_norm, rope_tail
-from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import three_layer_prefill
 
 FUSED = "dsv4.rms_norm_rope_store_kv.default (in place)"
 UNFUSED = ["dsv4.rms_norm_rope.default", "dsv4.store_kv.default (in place)"]
@@ -88,13 +86,8 @@ def test_model_step_fuses_each_layers_key_write():
     """compile_step of a 3-layer model (sliding, CSA, HCA) with the norm + RoPE and key-store passes:
     each layer's key write fuses (3 nodes, the queries' 3 norm + RoPE nodes stay), and the logits and
     every cache buffer equal the eager backend's, bit for bit."""
-    config = tiny_hf_config(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
-                                                              "heavily_compressed_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
+    backend, ids, step = three_layer_prefill()
     fuse = FuseKeyStorePass(("cpu",))
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
     before = [t.clone() for t in backend.cache.buffers()]
     want = backend(ids, step, torch.arange(6)).float()
     written = [t.clone() for t in backend.cache.buffers()]

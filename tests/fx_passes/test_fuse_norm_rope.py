@@ -14,11 +14,9 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNo
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSinkhornPass, FuseStepMetadataPass
-from dsv4_compile.model import enable
 from dsv4_compile.reference.functional import apply_rope, rms_norm, rope_tail
-from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import three_layer_prefill
 
 FUSED = "dsv4.rms_norm_rope.default"
 EPS = 1e-5  # not the patterns' traced eps: the pattern takes the graph's
@@ -111,13 +109,8 @@ def test_uuid_follows_the_devices():
 def test_model_step_fuses_each_layers_query_and_key():
     """compile_step of a 3-layer model (sliding, CSA, HCA) with this pass: each layer's query and
     key chains fuse (6 nodes), and the logits are the eager backend's, bit for bit."""
-    config = tiny_hf_config(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
-                                                              "heavily_compressed_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
+    backend, ids, step = three_layer_prefill()
     fuse = FuseNormRopePass(("cpu",))
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
     want = backend(ids, step, torch.arange(6)).float()
     with fresh_compile_state():
         passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse])
