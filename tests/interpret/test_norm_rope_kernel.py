@@ -53,8 +53,9 @@ def test_int32_positions_and_no_tokens(device):
     assert empty.shape == (0, 2, 512)
 
 
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("weight, round_scale", [(None, True), (torch.float32, False), (torch.bfloat16, False)])
-def test_store_variant_writes_what_the_two_kernels_write(device, weight, round_scale):
+def test_store_variant_writes_what_the_two_kernels_write(device, weight, round_scale, slot_dtype):
     """The key's norm + RoPE + ``store_kv`` in one kernel against the norm + RoPE kernel followed by
     the ``store_kv`` kernel: only the written tokens change (two slots negative, one past the
     cache: skipped), their bytes equal but where the fused kernel's sum of squares, reduced over
@@ -62,7 +63,7 @@ def test_store_variant_writes_what_the_two_kernels_write(device, weight, round_s
     page_size, num_pages = layout.SWA_PAGE_SIZE, 3
     x, w, positions, inv_freq = _inputs(device, (9, 512), weight, seed=2)
     gen = torch.Generator(device=device).manual_seed(2)
-    slots = inputs.distinct_slots(9, num_pages, page_size, gen, num_negative=2)
+    slots = inputs.distinct_slots(9, num_pages, page_size, gen, dtype=slot_dtype, num_negative=2)
     slots[(slots >= 0).nonzero()[0]] = num_pages * page_size
     cache = torch.randint(0, 256, (num_pages, layout.model1_page_bytes(page_size)), generator=gen, device=device,
                           dtype=torch.uint8)
