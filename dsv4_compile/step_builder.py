@@ -63,7 +63,7 @@ class StepBuilder:
         pad_requests, pad_tokens = check_count("pad_requests", pad_requests), check_count("pad_tokens", pad_tokens)
         with self.allocator.transaction():
             loc = self.allocator.extend_requests(tokens)
-            return self._step(mode, list(tokens), [tokens[row] for row in tokens], loc, pad_requests, pad_tokens)
+            return self._step(mode, list(tokens), list(tokens.values()), loc, pad_requests, pad_tokens)
 
     def _step(self, mode: ForwardMode, rows: list[int], ext: list[int], loc: list[int], pad_requests: int,
               pad_tokens: int) -> StepInputs:

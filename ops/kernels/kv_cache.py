@@ -149,6 +149,11 @@ def model1_constants() -> dict:
                 ROPE=ROPE_DIM, TILE=layout.FP8_TILE, NUM_TILES=layout.NUM_TILES, BIAS=layout.UE8M0_BIAS)
 
 
+def model1_store_constants() -> dict:
+    """:func:`model1_constants` and the quantisation's constants, for a kernel that writes keys."""
+    return dict(**model1_constants(), FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, SOFT_FP8=INTERPRET)
+
+
 def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at ``slots[n]`` (int32/int64 [N];
     outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, Nb] uint8`` (pages may be strided,
@@ -158,8 +163,7 @@ def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, p
         return
     _store_kv_kernel[(k.shape[0],)](
         cache, slots.contiguous(), k, cache.shape[0] * page_size, cache.stride(0), k.stride(0), k.stride(1),
-        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **model1_constants(), SOFT_FP8=INTERPRET,
-        num_warps=4)
+        PAGE=page_size, **model1_store_constants(), num_warps=4)
 
 
 def launch_dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:

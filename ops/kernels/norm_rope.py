@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ... import layout
-from .host import INTERPRET
-from .kv_cache import check_page_rows, model1_constants, model1_rope_ptr, model1_slot_ptrs, model1_tiles, store_model1_nope
+from .kv_cache import (check_page_rows, model1_rope_ptr, model1_slot_ptrs, model1_store_constants, model1_tiles,
+                       store_model1_nope)
 
 
 @triton.jit
@@ -142,5 +141,4 @@ def launch_rms_norm_rope_store_kv(cache: torch.Tensor, slots: torch.Tensor, x: t
     _norm_rope_store_kernel[(x.shape[0],)](
         x, weight if weight is not None else x, positions, inv_freq.contiguous(), cache, slots.contiguous(),
         cache.shape[0] * page_size, cache.stride(0), eps, HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale,
-        PAGE=page_size, FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, **model1_constants(),
-        SOFT_FP8=INTERPRET, num_warps=4)
+        PAGE=page_size, **model1_store_constants(), num_warps=4)
