@@ -28,6 +28,10 @@ Ways (the same model and weights):
     compiled_unfused_linears  compiled without ``FuseSharedInputLinearsPass`` (each projection
                    its own cuBLAS call, not one ``dsv4::linears`` launch per activation); not in
                    the default ``--ways``
+    compiled_lone_linears_cublas  compiled with ``FuseSharedInputLinearsPass(lone_min_k=None)``
+                   (``o_b_proj`` and the ``lm_head`` through cuBLAS); not in the default ``--ways``
+    compiled_unfused_grouped_linear  compiled without ``FuseGroupedLinearPass`` (``o_a_proj`` through
+                   cuBLAS's batched GEMV); not in the default ``--ways``
     compiled_unfused_norm_rope  compiled without ``FuseNormRopePass`` (each query / key norm +
                    RoPE as Inductor compiles it); not in the default ``--ways``
     compiled_unfused_key_store  compiled without ``FuseKeyStorePass`` (each key's norm + RoPE and its
@@ -81,7 +85,8 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -89,10 +94,25 @@ from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import compiled_ratios, header, host_us_per_call, profile_steps, wall_call
 from dsv4_compile.testing.random_model import random_hf_model
 
-# compiled with the default passes less one
-WITHOUT_PASS = {"compiled_unfused_linears": FuseSharedInputLinearsPass, "compiled_unfused_norm_rope": FuseNormRopePass,
-                "compiled_unfused_key_store": FuseKeyStorePass}
-WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *WITHOUT_PASS, "compiled_lean",
+
+def _without(kind: type) -> Callable[[], list]:
+    """The default passes less the one of type ``kind``."""
+    return lambda: [p for p in default_passes() if not isinstance(p, kind)]
+
+
+def _no_lone_linears() -> list:
+    """The default passes, lone products left to cuBLAS."""
+    return [FuseSharedInputLinearsPass(lone_min_k=None) if isinstance(p, FuseSharedInputLinearsPass) else p
+            for p in default_passes()]
+
+
+# compiled with the default passes less one, or one of them configured otherwise
+PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass),
+                 "compiled_lone_linears_cublas": _no_lone_linears,
+                 "compiled_unfused_grouped_linear": _without(FuseGroupedLinearPass),
+                 "compiled_unfused_norm_rope": _without(FuseNormRopePass),
+                 "compiled_unfused_key_store": _without(FuseKeyStorePass)}
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
@@ -470,9 +490,9 @@ def run(args) -> dict:
         backend.model.set_experts_implementation("grouped_mm")
         measure_backend(backend, "compiled_grouped", compile_step(backend, mode="reduce-overhead"), args, results)
         backend.model.set_experts_implementation(own)
-    for way, left_out in WITHOUT_PASS.items():
+    for way, variant in PASS_VARIANTS.items():
         if way in args.ways:
-            passes = DSV4PassManager([p for p in default_passes() if not isinstance(p, left_out)])
+            passes = DSV4PassManager(variant())
             measure_backend(backend, way, compile_step(backend, mode="reduce-overhead", passes=passes), args, results)
     if "compiled_lean" in args.ways:
         measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),

@@ -36,6 +36,12 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
   (``row`` or ``split``; ``ops/kernels/topk_select.py``) in place of the launcher's choice.
 * experts: ``routed_experts`` for b tokens over 8 experts (2 a token, 4 layers' weights cycled)
   and 256 (6 a token), against the grouped GEMMs transformers' ``grouped_mm`` path runs.
+* linears: the Flash model's products of one weight at b rows (``o_b_proj``, ``q_b_proj``, the
+  shared expert's ``down_proj``, ``lm_head``) through ``dsv4::linears``, and its grouped
+  ``o_a_proj`` through ``dsv4::grouped_linear``, against cuBLAS (``x @ w.T``, the ``bmm``); 4
+  copies of each weight cycled (one of ``lm_head``, which outsizes the L2 alone).
+  ``--linear-tiles 32x512x4x4 ...`` times the kernels at each given tile instead of the
+  launcher's (``BLOCK_N x BLOCK_K x warps x stages``).
 
 Adding cases: a builder is ``fn(args) -> list[Case]`` (``dsv4_compile.testing.bench.Case``)
 appended to ``CASE_BUILDERS``.
@@ -56,10 +62,12 @@ from dsv4_compile import ForwardMode, layout
 from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW
 from dsv4_compile.metadata_chain import FIELDS_BY_NAME, named, run_chain
 from dsv4_compile.ops import experts as experts_ops
+from dsv4_compile.ops.linear import grouped_linear_reference
 from dsv4_compile.ops.kernels import compressor as comp_kernels
 from dsv4_compile.ops.kernels import experts as expert_kernels
 from dsv4_compile.ops.kernels import indexer as index_kernels
 from dsv4_compile.ops.kernels import kv_cache as kv_kernels
+from dsv4_compile.ops.kernels import linear as linear_kernels
 from dsv4_compile.ops.kernels import metadata as meta_kernels
 from dsv4_compile.ops.kernels import topk_select
 from dsv4_compile.reference import compressor as ref_comp
@@ -318,8 +326,54 @@ def experts_cases(args) -> list[Case]:
     return cases
 
 
+# -- linear cases ------------------------------------------------------------------------------
+# (name, groups, output features per group, K): the Flash model's products that are not part of a
+# shared-input group; tiny on the CPU for --dry-run
+LINEAR_SHAPES = {"cuda": (("o_b", 1, 4096, 8192), ("q_b", 1, 32768, 1024), ("shared_down", 1, 4096, 2048),
+                          ("lm_head", 1, 129280, 4096), ("o_a", 8, 1024, 4096)),
+                 "cpu": (("o_b", 1, 48, 64), ("o_a", 2, 24, 32))}
+_L2_SAFE_BYTES = 1 << 30  # a weight this large is not held in the L2 between calls on its own
+
+
+def _tile(text: str) -> tuple[int, int, int, int]:
+    block_n, block_k, warps, stages = map(int, text.split("x"))
+    return block_n, block_k, warps, stages
+
+
+def linear_cases(args) -> list[Case]:
+    """``dsv4::linears``' kernel (one weight) / ``dsv4::grouped_linear``'s at b rows (up to 16: the
+    ops run cuBLAS above) against cuBLAS, each call cycling over copies of the weight. Bytes: the weight read, x read, the output written."""
+    cases = []
+    for name, groups, n, k in LINEAR_SHAPES[torch.device(args.device).type]:
+        gen = torch.Generator(device=args.device).manual_seed(n)
+        copies = 1 if groups * n * k * 2 >= _L2_SAFE_BYTES else 4
+        weights = [(torch.randn(groups * n, k, generator=gen, device=args.device) * 0.02).bfloat16()
+                   for _ in range(copies)]
+        for b in (b for b in args.batch if b <= linear_kernels.MAX_ROWS):  # the ops' cuBLAS above
+            x = torch.randn(b, groups, k, generator=gen, device=args.device).bfloat16()
+            nbytes = (groups * n * k + b * groups * (k + n)) * 2
+            if groups == 1:
+                def kernel(config=None, x=x[:, 0], weights=weights):
+                    return [linear_kernels.launch_linears(x, [w], config) for w in weights]
+
+                def cublas(x=x[:, 0], weights=weights):
+                    return [x @ w.T for w in weights]
+            else:
+                def kernel(config=None, x=x, weights=weights):
+                    return [linear_kernels.launch_grouped_linear(x, w, config) for w in weights]
+
+                def cublas(x=x, weights=weights):
+                    return [grouped_linear_reference(x, w) for w in weights]
+            for tile in (None, *map(_tile, args.linear_tiles)):
+                params = {"b": b, "product": name, "copies": copies, "tile": "default" if tile is None else tile}
+                cases.append(Case("linear", params, family="linears", kernel=partial(kernel, tile),
+                                  reference=cublas if tile is None else None, bytes=copies * nbytes,
+                                  notes="reference: cuBLAS"))
+    return cases
+
+
 CASE_BUILDERS: list[Callable[[argparse.Namespace], list[Case]]] = [
-    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases, experts_cases]
+    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases, experts_cases, linear_cases]
 
 
 # -- driver ------------------------------------------------------------------------------------
@@ -387,6 +441,8 @@ def main(argv=None) -> None:
                         "(a smoke test; with --device cpu it runs under TRITON_INTERPRET=1)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--select", choices=sorted(SELECT_LIMITS), help="force this path of the top-k select")
+    parser.add_argument("--linear-tiles", nargs="*", default=[], metavar="NxKxWxS",
+                        help="also time the linear kernels at these tiles (BLOCK_N x BLOCK_K x warps x stages)")
     args = parser.parse_args(argv)
     if args.select:
         for name, limit in SELECT_LIMITS[args.select].items():

@@ -13,8 +13,12 @@ so dynamic token counts add no guard).
 Matched: two or more ``aten.mm`` of the same 2-D ``x`` by ``permute(w, [1, 0])`` (or ``t(w)``,
 as a graph traced without Inductor's decompositions holds it) where ``w`` is a
 2-D placeholder of ``x``'s dtype (bf16 / fp16), with ``x`` on one of ``devices`` (CUDA by default:
-elsewhere the op is the same matmuls). Anything else — a quantised linear (another op), a weight
-computed in the graph, fp32 matmuls — is left as it is.
+elsewhere the op is the same matmuls). A product with no other of its input becomes a
+``linears`` node of its own when its K is at least ``lone_min_k`` (default 4096: ``o_b_proj`` and
+the ``lm_head``, where the kernel's deep K loop streams the weight 1-7 µs faster than cuBLAS; at
+K of 1024 / 2048 — ``q_b_proj``, the shared expert's ``down_proj`` — cuBLAS is as fast or faster:
+docs/perf-log.md). Anything else — a quantised linear (another op), a weight computed in the
+graph, fp32 matmuls — is left as it is.
 """
 
 from __future__ import annotations
@@ -35,10 +39,15 @@ _LINEARS = torch.ops.dsv4.linears.default
 _RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 
 
+LONE_MIN_K = 4096
+
+
 class FuseSharedInputLinearsPass(DSV4InductorPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
+    def __init__(self, devices: Sequence[str] = ("cuda",), lone_min_k: int | None = LONE_MIN_K) -> None:
+        """``lone_min_k=None``: products with no other of their input are left as they are."""
         super().__init__()
         self.devices = tuple(devices)
+        self.lone_min_k = lone_min_k
 
     def apply(self, graph: torch.fx.Graph) -> int:
         by_input: dict[object, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)  # (mm, w)
@@ -48,11 +57,15 @@ class FuseSharedInputLinearsPass(DSV4InductorPass):
                 by_input[_input_key(mm.args[0])].append((mm, w))
         matches = 0
         for group in by_input.values():
-            if len(group) >= 2:  # the first product's x is defined before every product of the group
+            if len(group) >= 2 or self._lone(group[0][1]):  # the first product's x is defined before every other
                 mms, weights = map(list, zip(*group))
                 _replace(graph, mms[0].args[0], mms, weights)
                 matches += 1
         return matches
+
+    def _lone(self, w: torch.fx.Node) -> bool:
+        """Whether a product by ``w`` with no other of its input goes to the kernel."""
+        return self.lone_min_k is not None and w.meta["val"].shape[1] >= self.lone_min_k
 
     def _weight_of(self, mm: torch.fx.Node) -> torch.fx.Node | None:
         """The placeholder ``w`` of ``mm(x, permute(w, [1, 0]))`` (or ``t(w)``) when the product
@@ -73,7 +86,7 @@ class FuseSharedInputLinearsPass(DSV4InductorPass):
         return w if ok else None
 
     def uuid(self) -> str:
-        return hashlib.sha256((super().uuid() + repr(self.devices)).encode()).hexdigest()
+        return hashlib.sha256((super().uuid() + repr((self.devices, self.lone_min_k))).encode()).hexdigest()
 
 
 def _input_key(x: torch.fx.Node) -> object:

@@ -7,7 +7,7 @@ fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 
 benchmarks/README.md, "Hyper-connections") and the shared-input linear fusion (the benchmark
 model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels), the norm + RoPE
 fusion (docs/compile.md, "The norm + RoPE fusion pass") and, after it, the key's cache write
-folded into its norm + RoPE (one launch less a layer). Another list is given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
+folded into its norm + RoPE (one launch less a layer); the grouped ``o_a_proj`` as one launch. Another list is given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import hashlib
 import torch
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_grouped_linear import FuseGroupedLinearPass
 from .fuse_key_store import FuseKeyStorePass
 from .fuse_norm_rope import FuseNormRopePass
 from .fuse_shared_input_linears import FuseSharedInputLinearsPass
@@ -26,8 +27,8 @@ from .fuse_step_metadata import FuseStepMetadataPass
 
 def default_passes() -> list[DSV4InductorPass]:
     """A fresh instance of each default pass, in the order they run."""
-    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseNormRopePass(),
-            FuseKeyStorePass()]
+    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseGroupedLinearPass(),
+            FuseNormRopePass(), FuseKeyStorePass()]
 
 
 class DSV4PassManager(DSV4InductorPass):

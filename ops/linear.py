@@ -1,4 +1,4 @@
-"""Several linear maps of one input: ``dsv4::linears``.
+"""Linear maps of a decode step's few rows: ``dsv4::linears`` and ``dsv4::grouped_linear``.
 
 The model does not call the op: a compiled step gets it from ``FuseSharedInputLinearsPass``
 (``fx_passes/fuse_shared_input_linears.py``), which replaces the bf16 matmuls of one activation by
@@ -7,7 +7,14 @@ state) by one call. On CUDA a call with at most 16 rows is one Triton launch
 (``ops/kernels/linear.py``, up to 8 weights a launch); more rows, and other devices, run each
 product as ``torch.mm``.
 
-Shape legend: M rows, K input features, N_g output features of weight g.
+``dsv4::grouped_linear`` is a block-diagonal (grouped) linear map, the attention's ``o_a_proj``
+(``transformers``' ``DeepseekV4GroupedLinear``: a ``bmm`` over groups). ``FuseGroupedLinearPass``
+(``fx_passes/fuse_grouped_linear.py``) puts it in place of that ``bmm``; on CUDA up to 16 rows it
+is one Triton launch over every group's column tiles, where cuBLAS runs a split-K GEMV and a
+reduction kernel.
+
+Shape legend: M rows, K input features (per group for ``grouped_linear``), N_g output features of
+weight g, G groups of N outputs each.
 """
 
 from __future__ import annotations
@@ -48,3 +55,37 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]``: ``x [M, K]`` bf16 / fp16, each ``w [N_g, K]`` of x's dtype
     (at least one) -> ``[M, N_g]`` each, x's dtype."""
     return [torch.mm(x, w.t()) for w in weights]
+
+
+def _check_grouped_linear(x, w) -> None:
+    check_tensor("grouped_linear", "x", x, dtypes=DTYPES, ndim=3)
+    check_tensor("grouped_linear", "w", w, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[2]))
+    if w.shape[0] % x.shape[1]:
+        raise ValueError(f"dsv4.grouped_linear: w has {w.shape[0]} rows, not a multiple of the "
+                         f"{x.shape[1]} groups of x")
+    check_devices("grouped_linear", x=x, w=w)
+
+
+def _grouped_linear_fake(x, w):
+    return x.new_empty(x.shape[0], x.shape[1], w.shape[0] // x.shape[1])
+
+
+def _grouped_linear_cuda(x, w):
+    if x.shape[0] > kernels.MAX_ROWS:
+        return grouped_linear_reference(x, w)
+    return kernels.launch_grouped_linear(x, w)
+
+
+def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """The batched product ``transformers``' grouped linear computes (``bmm`` over the groups)."""
+    m, groups, k = x.shape
+    out = torch.bmm(x.transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))
+    return out.transpose(0, 1).contiguous()
+
+
+@dsv4_op("grouped_linear", check=_check_grouped_linear, fake=_grouped_linear_fake,
+         cuda=_grouped_linear_cuda if HAS_TRITON else None)
+def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T``: ``x [M, G, K]`` bf16 / fp16, ``w [G N, K]``
+    of x's dtype -> ``[M, G, N]`` contiguous, x's dtype."""
+    return grouped_linear_reference(x, w)

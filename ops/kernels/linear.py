@@ -1,4 +1,5 @@
-"""Triton kernel of ``dsv4::linears``: several bf16 / fp16 linear maps of one small input, one launch.
+"""Triton kernels of ``dsv4::linears`` (several bf16 / fp16 linear maps of one small input, one
+launch) and ``dsv4::grouped_linear`` (a block-diagonal linear map of one small input, one launch).
 
 At a decode step's few rows each projection of a layer is a GEMV bound by reading its weight, and
 the small ones are bound by latency instead: cuBLAS runs each as a split-K GEMV plus a reduction
@@ -9,6 +10,10 @@ hold ``p``, streams ``BLOCK_N`` of its rows along K once and multiplies them wit
 once on the tensor cores (x padded to 16 rows). Up to :data:`MAX_WEIGHTS` weights a launch, each
 its own pointer argument (no pointer table to build, so the launch is CUDA-graph safe); a program
 selects its weight's pointers by value, so the kernel has one K loop whatever the weight count.
+
+The grouped kernel runs the same K loop (:func:`_rows_product`) with group ``g`` of the input
+against rows ``[g N, (g + 1) N)`` of the weight, the groups' column tiles in one grid: in place of
+cuBLAS's batched split-K GEMV and its reduction kernel.
 
 Numerics: fp32 accumulation, one rounding to the output dtype, as cuBLAS; only the order of the
 K sums differs.
@@ -31,11 +36,39 @@ MAX_WEIGHTS = 8
 DEEP_K = 2048
 DEEP_K_CONFIG = (32, 512, 4, 4)
 SHALLOW_K_CONFIG = (64, 128, 4, 4)
+# A weight of many rows (an lm_head: 129,280 x 4096) is tens of waves of programs, where shallower
+# K steps over wider N tiles stream best: 237.7 µs against 250.3 with DEEP_K_CONFIG and 244.5
+# through cuBLAS at one row (bench_ops.py --only linears; docs/perf-log.md).
+WIDE_ROWS = 65536
+WIDE_CONFIG = (64, 128, 4, 4)
+# The grouped o_a_proj (8 groups of 1024 x 4096): 18.6 µs at one row and 19.1 at eight against
+# 20.4 / 21.2 with DEEP_K_CONFIG (bench_ops.py --only linears).
+GROUPED_CONFIG = (32, 256, 4, 4)
 
 
-def default_config(k: int) -> TileConfig:
-    """The launch tile for ``K = k`` input features."""
+def default_config(k: int, rows: int = 0) -> TileConfig:
+    """The launch tile for ``K = k`` input features and ``rows`` weight rows in all."""
+    if rows >= WIDE_ROWS:
+        return WIDE_CONFIG
     return DEEP_K_CONFIG if k >= DEEP_K else SHALLOW_K_CONFIG
+
+
+@triton.jit
+def _rows_product(x_ptr, stride_x, M, K, w_rows, row_ok, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``x [M, K] @ w_rows.T`` as an fp32 ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the
+    pointers to the program's weight rows (``row_ok`` masks those past the weight), streamed along
+    K once; x (unit stride along K, ``stride_x`` between rows) is padded to ``M_PAD`` rows."""
+    m = tl.arange(0, M_PAD)
+    m_ok = m < M
+    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        wt = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(wt), acc)
+    return acc
 
 
 @triton.jit
@@ -78,24 +111,17 @@ def _linears_kernel(x_ptr, M, K, stride_x,
     out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
+    acc = _rows_product(x_ptr, stride_x, M, K, w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, M_PAD, BLOCK_N,
+                         BLOCK_K)
     m = tl.arange(0, M_PAD)
-    m_ok = m < M
-    acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        wt = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(x, tl.trans(wt), acc)
-    tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=m_ok[:, None] & row_ok[None, :])
+    tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=(m < M)[:, None] & row_ok[None, :])
 
 
 def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch: ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit
     stride along K), each ``w [N_g, K]`` contiguous of x's dtype, 1 to :data:`MAX_WEIGHTS` of
     them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, by
-    default :func:`default_config` of K."""
+    default :func:`default_config` of K and the weights' rows."""
     m, k = x.shape
     if m > MAX_ROWS or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"launch_linears: {m} rows and {len(weights)} weights; the kernel takes at most "
@@ -106,7 +132,7 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     weights = [w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
                for w in weights]
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
-    block_n, block_k, warps, stages = config or default_config(k)
+    block_n, block_k, warps, stages = config or default_config(k, sum(w.shape[0] for w in weights))
     firsts = [0]
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
@@ -119,3 +145,44 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
                                    M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
                                    num_warps=warps, num_stages=stages)
     return outs
+
+
+@triton.jit
+def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_xg, tiles,
+                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Group ``g = pid // tiles``, its column tile ``pid % tiles``: ``out[:, g, tile] =
+    x[:, g, :] @ w[g N + tile].T`` (``out [M, G, N]`` contiguous, ``w [G N, K]``)."""
+    pid = tl.program_id(0)
+    g = pid // tiles
+    rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, w_rows, row_ok, M_PAD, BLOCK_N, BLOCK_K)
+    m = tl.arange(0, M_PAD)
+    out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
+    tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])
+
+
+def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
+    """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T`` in one launch: ``x [M, G, K]`` (M <=
+    :data:`MAX_ROWS`, unit stride along K), ``w [G N, K]`` of x's dtype -> ``[M, G, N]``
+    contiguous. ``config`` as :func:`launch_linears`, by default :data:`GROUPED_CONFIG`."""
+    m, groups, k = x.shape
+    if m > MAX_ROWS:
+        raise ValueError(f"launch_grouped_linear: {m} rows; the kernel takes at most {MAX_ROWS}")
+    n = w.shape[0] // groups
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if not (w.is_contiguous() and w.data_ptr() % 16 == 0):
+        w = w.clone(memory_format=torch.contiguous_format)
+    out = x.new_empty(m, groups, n)
+    if out.numel() == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    block_n, block_k, warps, stages = config or GROUPED_CONFIG
+    tiles = triton.cdiv(n, block_n)
+    _grouped_linear_kernel[(groups * tiles,)](x, w, out, m, groups, k, n, x.stride(0), x.stride(1), tiles, M_PAD=MAX_ROWS,
+                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
+                                              num_stages=stages)
+    return out

@@ -75,8 +75,22 @@ def test_other_products_left_alone(case):
     assert all(torch.equal(g, w) for g, w in zip(got, want)) if isinstance(want, tuple) else torch.equal(got, want)
 
 
-def test_uuid_follows_the_devices():
-    assert FuseSharedInputLinearsPass(("cpu",)).uuid() != FuseSharedInputLinearsPass().uuid()
+def test_lone_product_of_a_deep_k():
+    """A product with no other of its input becomes a node of its own from K = lone_min_k (the
+    attention's o_b_proj, the lm_head), and not below it or with lone products switched off."""
+    x, w = torch.randn(2, 4096, **bf16), torch.randn(8, 4096, **bf16)
+    matches, ops, counts, want, got = _rewrite(lambda x, w: x @ w.T, x, w)
+    assert (matches, ops, counts) == (1, [FUSED], [1]) and torch.equal(got, want)
+    gm = make_fx(lambda x, w: x @ w.T, tracing_mode="fake")(x, w)
+    for fuse in (FuseSharedInputLinearsPass(("cpu",), lone_min_k=None), FuseSharedInputLinearsPass(("cpu",), 8192)):
+        fuse(gm.graph)
+        assert (fuse.matched_count, fuse.last_ops) == (0, [])
+
+
+def test_uuid_follows_the_devices_and_lone_min_k():
+    uuids = {FuseSharedInputLinearsPass(("cpu",)).uuid(), FuseSharedInputLinearsPass().uuid(),
+             FuseSharedInputLinearsPass(lone_min_k=None).uuid()}
+    assert len(uuids) == 3
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo

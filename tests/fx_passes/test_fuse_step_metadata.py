@@ -7,8 +7,8 @@ import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
-                                    FuseSinkhornPass, FuseStepMetadataPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass, FuseSinkhornPass, FuseStepMetadataPass)
 from dsv4_compile.metadata_chain import CHAIN_OPS
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.cache_checks import assert_caches_equal
@@ -88,8 +88,8 @@ dsv4.sparse_attn.default""")
 
     def test_uuid_tracks_the_pass_list(self):
         self.assertEqual(DSV4PassManager().uuid(), DSV4PassManager(
-            [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseNormRopePass(),
-             FuseKeyStorePass()]).uuid())
+            [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseGroupedLinearPass(),
+             FuseNormRopePass(), FuseKeyStorePass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([]).uuid())

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -17,9 +18,9 @@ from tests.support.compile_checks import fresh_compile_state
 pytestmark = pytest.mark.gpu
 
 # pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers x 2 groups,
-# + the 2 CSA layers' query latents); the norm + RoPE chains (4 layers x query and key); the keys'
-# cache writes (4 layers)
-MATCHES = [(FuseSharedInputLinearsPass, 10), (FuseNormRopePass, 8), (FuseKeyStorePass, 4)]
+# + the 2 CSA layers' query latents; no lone product of K >= 4096 at hidden 256); the grouped o_a_proj (4
+# layers); the norm + RoPE chains (4 layers x query and key); the keys' cache writes (4 layers)
+MATCHES = [(FuseSharedInputLinearsPass, 10), (FuseGroupedLinearPass, 4), (FuseNormRopePass, 8), (FuseKeyStorePass, 4)]
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

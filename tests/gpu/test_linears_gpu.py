@@ -26,3 +26,26 @@ def test_op_equals_mm(rows):
     weights = [(torch.randn(n, 4096, device="cuda", generator=g) * 0.02).bfloat16() for n in PROJECTIONS]
     for out, w in zip(torch.ops.dsv4.linears(x, weights), weights):
         _assert_bf16_close(out, x @ w.T)
+
+
+@pytest.mark.parametrize("rows", [1, 8, kernels.MAX_ROWS + 1])
+@torch.no_grad()
+def test_lone_products_of_deep_k_equal_mm(rows):
+    """The products FuseSharedInputLinearsPass hands the op alone: o_b_proj (K 8192) and an
+    lm_head-sized weight (the wide tile)."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    for n, k in ((4096, 8192), (kernels.WIDE_ROWS + 1000, 4096)):
+        x = torch.randn(rows, k, device="cuda", generator=g).bfloat16()
+        w = (torch.randn(n, k, device="cuda", generator=g) * 0.02).bfloat16()
+        _assert_bf16_close(torch.ops.dsv4.linears(x, [w])[0], x @ w.T)
+
+
+@pytest.mark.parametrize("rows", [1, 8, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
+@torch.no_grad()
+def test_grouped_linear_equals_bmm(rows):
+    """The Flash model's o_a_proj: 8 groups of 1024 x 4096."""
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = torch.randn(rows, 8, 4096, device="cuda", generator=g).bfloat16()
+    w = (torch.randn(8 * 1024, 4096, device="cuda", generator=g) * 0.02).bfloat16()
+    want = torch.bmm(x.transpose(0, 1), w.view(8, 1024, 4096).transpose(1, 2)).transpose(0, 1)
+    _assert_bf16_close(torch.ops.dsv4.grouped_linear(x, w), want)

@@ -1,7 +1,9 @@
-"""The ``dsv4::linears`` kernel vs ``torch.mm`` (``ops/kernels/linear.py``), small shapes.
+"""The ``dsv4::linears`` and ``dsv4::grouped_linear`` kernels vs ``torch.mm`` / ``torch.bmm``
+(``ops/kernels/linear.py``), small shapes.
 
 Row counts 1 to 16, weights whose row counts leave a partial tile, one to eight weights a launch,
-a K that leaves a partial block, a strided x, no rows. The kernel accumulates in another order
+a K that leaves a partial block, a strided x, no rows; for the grouped kernel, groups whose
+outputs leave a partial tile and an x whose groups are not adjacent in memory. The kernel accumulates in another order
 than ``torch.mm``, so results agree to one rounding of the output dtype. Under the interpreter the
 kernel runs fp16 (its ``tl.dot`` misreads bf16 tiles there: see ``test_experts_kernel.py``)."""
 
@@ -64,3 +66,32 @@ def test_op_on_device(device, m, count):
     weights = [torch.randn(8 + g, 64, device=device).to(DTYPES[-1]) for g in range(count)]
     for out, w in zip(torch.ops.dsv4.linears(x, weights), weights):
         _close(out, x @ w.T)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m", [1, 6, kernels.MAX_ROWS])
+@pytest.mark.parametrize("groups, n", [(1, 16), (3, 40), (8, 8)])
+def test_grouped_kernel_matches_bmm(device, dtype, m, groups, n):
+    gen = torch.Generator(device=device).manual_seed(m * groups)
+    x = torch.randn(m, groups, 72, generator=gen, device=device).to(dtype)
+    w = torch.randn(groups * n, 72, generator=gen, device=device).to(dtype)
+    out = kernels.launch_grouped_linear(x, w, SMALL)
+    assert out.shape == (m, groups, n) and out.dtype == dtype and out.is_contiguous()
+    _close(out, torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(groups, n, 72)))
+
+
+def test_grouped_strided_x_and_no_rows(device):
+    """x's groups 2 K apart (a slice of a wider tensor), default tile; no rows."""
+    x = torch.randn(5, 3, 2, 64, device=device).to(torch.float16)[:, :, 1]
+    w = torch.randn(3 * 24, 64, device=device).to(torch.float16)
+    _close(kernels.launch_grouped_linear(x, w), torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(3, 24, 64)))
+    assert kernels.launch_grouped_linear(x[:0], w).shape == (0, 3, 24)
+    with pytest.raises(ValueError, match="at most"):
+        kernels.launch_grouped_linear(torch.zeros(kernels.MAX_ROWS + 1, 3, 64, dtype=torch.float16, device=device), w)
+
+
+@pytest.mark.parametrize("m", [3, kernels.MAX_ROWS + 4])  # the kernel; torch.bmm
+def test_grouped_op_on_device(device, m):
+    x = torch.randn(m, 4, 64, device=device).to(DTYPES[-1])
+    w = torch.randn(4 * 24, 64, device=device).to(DTYPES[-1])
+    _close(torch.ops.dsv4.grouped_linear(x, w), torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(4, 24, 64)))

@@ -148,6 +148,11 @@ def test_linears(rows):
     _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_grouped_linear(rows):
+    _opcheck(ops.grouped_linear, (torch.randn(rows, 2, 64).half(), torch.randn(2 * 8, 64).half()))
+
+
 def _norm_rope_args(tokens: int, weight: bool) -> tuple:
     return (torch.randn(tokens, 3, 128).bfloat16(), torch.rand(128) + 0.5 if weight else None, 1e-6, not weight,
             torch.arange(tokens) * 7, torch.rand(16))
@@ -205,6 +210,7 @@ def _calls(state) -> dict[str, tuple]:
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
+        "grouped_linear": (torch.randn(3, 2, 64).bfloat16(), torch.randn(16, 64).bfloat16()),
         "rms_norm_rope": _norm_rope_args(3, True),
         "rms_norm_rope_store_kv": _key_store_args(4, True),
         **_hyper_connection_args(3),
@@ -214,7 +220,7 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn is absent: its one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "rms_norm_rope",
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear", "rms_norm_rope",
            "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post"]
 
 
