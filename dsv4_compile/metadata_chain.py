@@ -60,6 +60,7 @@ FIELDS = (
     MetadataField("seq_lens_causal", "expand_queries", "[T] position + 1 (1 for padding)"),
     MetadataField("extend_start", "expand_queries", "[T] first position of the row's request this step"),
     MetadataField("extend_end", "expand_queries", "[T] post-step length of the row's request"),
+    MetadataField("positions", "expand_queries", "[T] position of the row's token, seq_lens_causal - 1 (0 for padding)"),
     MetadataField("page_table", "build_page_table", "[T, NP] full page of each live page, 0 after",
                   _page_columns),
     MetadataField("swa_indices", "build_swa_metadata", "[T, W] window slots newest first, -1 before 0",

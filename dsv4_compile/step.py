@@ -136,15 +136,14 @@ pytree.register_pytree_node(
 
 
 def _step_metadata_class() -> type:
-    """``StepMetadata``: ``positions`` plus one attribute per field of ``metadata_chain.FIELDS``
-    (keyword-only; a field of compression ratio r defaults to None, as it is built only for stacks
-    with ratio-r layers in a mode that compresses)."""
-    attributes = [("positions", torch.Tensor)]
+    """``StepMetadata``: one attribute per field of ``metadata_chain.FIELDS`` (keyword-only; a field
+    of compression ratio r defaults to None, as it is built only for stacks with ratio-r layers in
+    a mode that compresses)."""
+    attributes = []
     for f in FIELDS:
         attributes.append((f.name, torch.Tensor | None, field(default=None)) if f.ratio else (f.name, torch.Tensor))
     doc = "\n".join(["Per-step tensors shared by every layer (docs/semantics.md §3), all int32; T rows, "
                      "NP pages per request, W = 128, K = ceil64(2 NP).", "",
-                     "positions: [T] seq_lens_causal - 1",
                      *(f"{f.name}: {f.doc}" + (f" (None without ratio-{f.ratio} layers)" if f.ratio else "")
                        for f in FIELDS)])
     return make_dataclass("StepMetadata", attributes, kw_only=True,
@@ -160,5 +159,5 @@ def build_step_metadata(step: StepInputs, cache: "DSV4Cache", config: DSV4AttnCo
     ratios = set(config.compress_ratios) if step.mode.needs_compress else set()
     out = run_chain(torch.ops.dsv4, *step.tensors(), cache.req_to_token, cache.req_to_page, cache.full_to_swa,
                     config.index_topk, ratios)
-    return StepMetadata(positions=out["seq_lens_causal"] - 1, **out)
+    return StepMetadata(**out)
 

@@ -32,7 +32,8 @@ _I32 = torch.int32
 
 
 def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
-                   out_cache_loc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out_cache_loc: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One row per query token (docs/semantics.md §3.2), requests concatenated in order.
 
     req_rows, seq_lens, extend_lens: [B] int32 — request pool rows, post-step lengths ``L_b`` and
@@ -40,13 +41,16 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     out_cache_loc: [T] — only its length T (query rows, padding included) is read.
     Row ``j`` of request ``b`` is position ``L_b - E_b + j``. Returns, per row, int32 [T]:
     ``req_of_row``, ``seq_lens_causal`` (position + 1), ``extend_start = L_b - E_b`` (first position
-    this step) and ``extend_end = L_b``.
+    this step), ``extend_end = L_b`` and ``positions`` (padding rows: request 0, position 0). Every
+    layer's RoPE reads ``positions``: produced here, a compiled step holds it in one buffer, where
+    ``seq_lens_causal - 1`` in the graph would be recomputed into a buffer of its own for each op
+    that reads it (Inductor does not keep a cheap pointwise result for extern kernels).
     """
     num_tokens, device = out_cache_loc.shape[0], req_rows.device
     q = torch.arange(num_tokens, device=device)
     if req_rows.shape[0] == 0:  # idle: every row is padding
         zeros = torch.zeros(num_tokens, dtype=_I32, device=device)
-        return zeros, zeros + 1, zeros.clone(), zeros + 1
+        return zeros, zeros + 1, zeros.clone(), zeros + 1, zeros.clone()
     ends = torch.cumsum(extend_lens.long(), 0)  # [B] exclusive end row of each request
     b = torch.searchsorted(ends, q, right=True).clamp_max(req_rows.shape[0] - 1)  # [T]
     real = q < ends[-1]
@@ -56,7 +60,7 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     req = torch.where(real, req_rows.long()[b], 0)
     seq_causal = torch.where(real, pos + 1, 1)
     return (req.to(_I32), seq_causal.to(_I32), torch.where(real, start, 0).to(_I32),
-            torch.where(real, l_b, 1).to(_I32))
+            torch.where(real, l_b, 1).to(_I32), (seq_causal - 1).to(_I32))
 
 
 def page_map(req_to_token: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ def compressor_args(ratio: int, d: int, seq_lens, extend_lens, gen: torch.Genera
     t = int(ext.sum()) if num_tokens is None else num_tokens
     req_rows = torch.arange(1, b + 1, dtype=torch.int32, device=device)
     rows = torch.zeros(t, dtype=torch.int64, device=device)  # an out_cache_loc: only its length is read
-    req_of_row, seq_causal, extend_start, extend_end = ref_meta.expand_queries(req_rows, seq, ext, rows)
+    req_of_row, seq_causal, extend_start, extend_end, _ = ref_meta.expand_queries(req_rows, seq, ext, rows)
     ring = CONFIG.state_ring(ratio) if ring is None else ring
     wc = (2 if ratio == 4 else 1) * d
 

@@ -129,13 +129,14 @@ def _c128_block(q, j, visible, page, indices_ptr, NP, K):
 
 @triton.jit
 def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_of_row_ptr, seq_lens_causal_ptr,
-                           extend_start_ptr, extend_end_ptr, B, BLOCK_B: tl.constexpr):
+                           extend_start_ptr, extend_end_ptr, positions_ptr, B, BLOCK_B: tl.constexpr):
     q = tl.program_id(0)
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
     tl.store(req_of_row_ptr + q, req)
     tl.store(seq_lens_causal_ptr + q, seq)
     tl.store(extend_start_ptr + q, start)
     tl.store(extend_end_ptr + q, end)
+    tl.store(positions_ptr + q, seq - 1)
 
 
 @triton.jit
@@ -193,7 +194,8 @@ def _c128_kernel(page_table_ptr, req_of_row_ptr, seq_ptr, out_cache_loc_ptr, c12
 @triton.jit
 def _step_metadata_kernel(
         req_rows_ptr, seq_lens_ptr, extend_lens_ptr, out_cache_loc_ptr, req_to_token_ptr, req_to_page_ptr,
-        full_to_swa_ptr, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr, page_table_ptr,
+        full_to_swa_ptr, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr, positions_ptr,
+        page_table_ptr,
         swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, c4_out_loc_ptr, c4_visible_ptr,
         c4_topk_lengths_ptr, c128_out_loc_ptr, c128_indices_ptr, c128_lengths_ptr,
         B, stride_rr, stride_rl, stride_pr, stride_pp, stride_f, R, L, n_swa, NP, K, topk,
@@ -216,6 +218,7 @@ def _step_metadata_kernel(
         tl.store(seq_lens_causal_ptr + q, seq)
         tl.store(extend_start_ptr + q, start)
         tl.store(extend_end_ptr + q, end)
+        tl.store(positions_ptr + q, seq - 1)
         loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
                  full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)

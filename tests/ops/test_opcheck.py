@@ -46,7 +46,7 @@ def test_metadata_ops(state, step_name):
         return
     step = steps[step_name]
     _opcheck(ops.expand_queries, (step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc))
-    req, seq, _, _ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
+    req, seq, *_ = ops.expand_queries(step.req_rows, step.seq_lens, step.extend_lens, step.out_cache_loc)
     _opcheck(ops.build_page_table, (cache.req_to_page, req, seq))
     _opcheck(ops.build_swa_metadata, (cache.req_to_token, cache.full_to_swa, req, seq, step.out_cache_loc))
     rows = cache.req_to_token.shape[0]
