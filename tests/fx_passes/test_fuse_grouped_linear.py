@@ -14,10 +14,8 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Group
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseGroupedLinearPass
-from dsv4_compile.model import enable
-from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import three_layer_prefill
 
 FUSED = "dsv4.grouped_linear.default"
 
@@ -74,16 +72,13 @@ def test_uuid_follows_the_devices():
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
 @torch.no_grad()
 def test_model_step_routes_each_layers_o_a_proj():
-    """compile_step of a 2-layer model with this pass alone: each layer's o_a_proj matches once, and
-    the logits are the eager backend's, bit for bit."""
-    config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
+    """compile_step of the 3-layer model (sliding, CSA, HCA) with this pass alone: each layer's
+    o_a_proj matches once, and the logits are the eager backend's, bit for bit."""
+    backend, ids, step = three_layer_prefill()
     fuse = FuseGroupedLinearPass(("cpu",))
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
-    want = backend(ids, step, torch.arange(6)).float()
+    rows = torch.arange(ids.shape[0])
+    want = backend(ids, step, rows).float()
     with fresh_compile_state():
-        got = compile_step(backend, passes=DSV4PassManager([fuse]), options=EXACT_NUMERICS)(ids, step, torch.arange(6))
-    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 2
+        got = compile_step(backend, passes=DSV4PassManager([fuse]), options=EXACT_NUMERICS)(ids, step, rows)
+    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 3
     assert torch.equal(got.float(), want)
