@@ -18,5 +18,5 @@ from .fuse_sinkhorn import FuseSinkhornPass  # noqa: E402
 from .fuse_step_metadata import FuseStepMetadataPass  # noqa: E402
 from .pass_manager import DSV4PassManager  # noqa: E402
 
-__all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseGroupedLinearPass", "FuseKeyStorePass", "FuseNormRopePass", "FuseSharedInputLinearsPass",
-           "FuseSinkhornPass", "FuseStepMetadataPass"]
+__all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseGroupedLinearPass", "FuseKeyStorePass", "FuseNormRopePass",
+           "FuseSharedInputLinearsPass", "FuseSinkhornPass", "FuseStepMetadataPass"]
