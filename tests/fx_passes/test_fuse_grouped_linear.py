@@ -2,7 +2,8 @@
 permuted views, becomes one ``dsv4::grouped_linear`` node with the same results.
 
 The module is traced with ``make_fx`` (its weight an argument, as Inductor's graph holds
-parameters) and the pass applied to the graph directly; a model step is compiled with Inductor.
+parameters) and the pass applied to the graph directly; the compiled model step with this pass is
+tested with the shared-input pass (``test_fuse_shared_input_linears.py``).
 On the CPU the op is the same ``bmm``, so results are bit for bit those of the unfused graph; the
 pass is told to match CPU tensors (by default it matches CUDA ones only)."""
 
@@ -11,11 +12,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
 
-from dsv4_compile.compile import compile_step
-from dsv4_compile.export import EXACT_NUMERICS
-from dsv4_compile.fx_passes import DSV4PassManager, FuseGroupedLinearPass
-from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import three_layer_prefill
+from dsv4_compile.fx_passes import FuseGroupedLinearPass
 
 FUSED = "dsv4.grouped_linear.default"
 
@@ -67,18 +64,3 @@ def test_other_products_left_alone(case):
 
 def test_uuid_follows_the_devices():
     assert FuseGroupedLinearPass(("cpu",)).uuid() != FuseGroupedLinearPass().uuid()
-
-
-@pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
-@torch.no_grad()
-def test_model_step_routes_each_layers_o_a_proj():
-    """compile_step of the 3-layer model (sliding, CSA, HCA) with this pass alone: each layer's
-    o_a_proj matches once, and the logits are the eager backend's, bit for bit."""
-    backend, ids, step = three_layer_prefill()
-    fuse = FuseGroupedLinearPass(("cpu",))
-    rows = torch.arange(ids.shape[0])
-    want = backend(ids, step, rows).float()
-    with fresh_compile_state():
-        got = compile_step(backend, passes=DSV4PassManager([fuse]), options=EXACT_NUMERICS)(ids, step, rows)
-    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 3
-    assert torch.equal(got.float(), want)

@@ -13,8 +13,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseSharedInputLinearsPass, FuseSinkhornPass,
-                                    FuseStepMetadataPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseSharedInputLinearsPass,
+                                    FuseSinkhornPass, FuseStepMetadataPass)
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
@@ -100,17 +100,19 @@ def test_model_step_fuses_each_layers_projections():
     in each layer the products of the normed hidden state (q_a, kv; on the CSA layer also the
     compressor's, the indexer's compressor and weights) and those of the post-attention norm (the
     router, the shared expert's gate and up) fuse, and on the CSA layer the two of the query latent
-    (q_b and the indexer's q_b): 5 nodes. With Inductor rounding where eager rounds the logits are
+    (q_b and the indexer's q_b): 5 nodes; with them FuseGroupedLinearPass makes each layer's
+    o_a_proj one grouped_linear (2 nodes). With Inductor rounding where eager rounds the logits are
     the eager backend's, bit for bit."""
     config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
     backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    fuse = FuseSharedInputLinearsPass(("cpu",))
+    fuse, grouped = FuseSharedInputLinearsPass(("cpu",)), FuseGroupedLinearPass(("cpu",))
     ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
     want = backend(ids, step, torch.arange(6)).float()
     with fresh_compile_state():
-        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse])
+        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse, grouped])
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
-    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 5
+    assert fuse.matched_count == grouped.last_ops.count(FUSED) == 5
+    assert grouped.matched_count == grouped.last_ops.count("dsv4.grouped_linear.default") == 2
     assert torch.equal(got, want)
