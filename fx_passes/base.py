@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+from collections.abc import Sequence
 
 import torch
 import torch.utils._pytree as pytree
@@ -65,3 +66,19 @@ class DSV4InductorPass(CustomGraphPass):
         module, and this module (passes build nodes with its helpers); a pass whose rewrite also
         follows other code adds it."""
         return type(self), inspect.getmodule(type(self)), inspect.getmodule(DSV4InductorPass)
+
+
+class OnDevicesPass(DSV4InductorPass):
+    """A pass that rewrites only nodes on ``devices`` (device types; CUDA by default, where its ops
+    are kernels: elsewhere they are the same math). :meth:`settings` (the devices, and whatever a
+    subclass adds) goes into the uuid, so a pass configured otherwise keys other cached graphs."""
+
+    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
+        super().__init__()
+        self.devices = tuple(devices)
+
+    def settings(self) -> tuple:
+        return (self.devices,)
+
+    def uuid(self) -> str:
+        return hashlib.sha256((super().uuid() + repr(self.settings())).encode()).hexdigest()

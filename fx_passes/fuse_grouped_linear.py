@@ -19,14 +19,11 @@ the op is the same ``bmm``). Anything else is left as it is.
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
-
 import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::grouped_linear)
 from ..ops.linear import DTYPES
-from .base import DSV4InductorPass, fake_result
+from .base import OnDevicesPass, fake_result
 
 _aten = torch.ops.aten
 _GROUPED = torch.ops.dsv4.grouped_linear.default
@@ -47,11 +44,7 @@ def _swapped(node: object, dims: tuple[int, int, int]) -> torch.fx.Node | None:
     return None
 
 
-class FuseGroupedLinearPass(DSV4InductorPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
-        super().__init__()
-        self.devices = tuple(devices)
-
+class FuseGroupedLinearPass(OnDevicesPass):
     def apply(self, graph: torch.fx.Graph) -> int:
         matches = 0
         for bmm in list(graph.find_nodes(op="call_function", target=_aten.bmm.default)):
@@ -78,8 +71,6 @@ class FuseGroupedLinearPass(DSV4InductorPass):
               and gv.shape[0] == xv.shape[1] and gv.shape[2] == xv.shape[2] == wv.shape[1])
         return (x, w) if ok else None
 
-    def uuid(self) -> str:
-        return hashlib.sha256((super().uuid() + repr(self.devices)).encode()).hexdigest()
 
 
 def _replace(graph: torch.fx.Graph, bmm: torch.fx.Node, x: torch.fx.Node, w: torch.fx.Node) -> None:

@@ -15,15 +15,12 @@ bookkeeping arguments, so the cache is updated exactly as before. Run it after `
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Sequence
-
 import torch
 import torch.utils._pytree as pytree
 
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope_store_kv)
 from ..config import HEAD_DIM, ROPE_DIM
-from .base import DSV4InductorPass
+from .base import OnDevicesPass
 
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized_v2
 _STORE_KV = torch.ops.dsv4.store_kv.default
@@ -32,11 +29,7 @@ _FUSED = torch.ops.dsv4.rms_norm_rope_store_kv.default
 _NORM_ROPE_ARGS = ("x", "weight", "eps", "round_scale", "positions", "inv_freq")
 
 
-class FuseKeyStorePass(DSV4InductorPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
-        super().__init__()
-        self.devices = tuple(devices)
-
+class FuseKeyStorePass(OnDevicesPass):
     def apply(self, graph: torch.fx.Graph) -> int:
         matches = 0
         for write in list(graph.find_nodes(op="call_function", target=_AUTO_FUNCTIONALIZED)):
@@ -55,8 +48,6 @@ class FuseKeyStorePass(DSV4InductorPass):
                      and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[1] == HEAD_DIM
                      and tuple(inv_freq.shape) == (ROPE_DIM // 2,) and x.device.type in self.devices) else None
 
-    def uuid(self) -> str:
-        return hashlib.sha256((super().uuid() + repr(self.devices)).encode()).hexdigest()
 
 
 def _replace(graph: torch.fx.Graph, write: torch.fx.Node, key: torch.fx.Node) -> None:

@@ -16,7 +16,6 @@ default: elsewhere the op is the same math) with bf16 / fp16 rows are replaced.
 
 from __future__ import annotations
 
-import hashlib
 import types
 from collections.abc import Sequence
 
@@ -26,7 +25,7 @@ from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only,
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope)
 from ..ops.norm_rope import DTYPES
 from ..reference.functional import rms_norm, rope_tail
-from .base import DSV4InductorPass
+from .base import OnDevicesPass
 
 _EPS = 1e-6  # traced value of the norms' eps; the pattern takes any (scalar_workaround)
 
@@ -85,10 +84,9 @@ def _example_inputs(rows: tuple[int, ...], weighted: bool, weight_dtype: torch.d
     return [x, torch.empty(128, dtype=weight_dtype), positions, inv_freq] if weighted else [x, positions, inv_freq]
 
 
-class FuseNormRopePass(DSV4InductorPass):
+class FuseNormRopePass(OnDevicesPass):
     def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
-        super().__init__()
-        self.devices = tuple(devices)
+        super().__init__(devices)
         self._patterns: PatternMatcherPass | None = None  # traced on first use
 
     def apply(self, graph: torch.fx.Graph) -> int:
@@ -123,9 +121,6 @@ class FuseNormRopePass(DSV4InductorPass):
     def _on_devices(self, match: Match) -> bool:
         x = match.kwargs["x"].meta.get("val")
         return isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in self.devices
-
-    def uuid(self) -> str:
-        return hashlib.sha256((super().uuid() + repr(self.devices)).encode()).hexdigest()
 
     def source_of_rewrite(self) -> tuple:
         """The rewrite follows the traced code too: the reference norm and RoPE, and transformers'

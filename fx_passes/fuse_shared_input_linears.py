@@ -23,7 +23,6 @@ graph, fp32 matmuls — is left as it is.
 
 from __future__ import annotations
 
-import hashlib
 import operator
 from collections import defaultdict
 from collections.abc import Sequence
@@ -32,7 +31,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::linears)
 from ..ops.linear import DTYPES
-from .base import DSV4InductorPass, fake_result
+from .base import OnDevicesPass, fake_result
 
 _aten = torch.ops.aten
 _LINEARS = torch.ops.dsv4.linears.default
@@ -42,11 +41,10 @@ _RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.defau
 LONE_MIN_K = 4096
 
 
-class FuseSharedInputLinearsPass(DSV4InductorPass):
+class FuseSharedInputLinearsPass(OnDevicesPass):
     def __init__(self, devices: Sequence[str] = ("cuda",), lone_min_k: int | None = LONE_MIN_K) -> None:
         """``lone_min_k=None``: products with no other of their input are left as they are."""
-        super().__init__()
-        self.devices = tuple(devices)
+        super().__init__(devices)
         self.lone_min_k = lone_min_k
 
     def apply(self, graph: torch.fx.Graph) -> int:
@@ -85,8 +83,8 @@ class FuseSharedInputLinearsPass(DSV4InductorPass):
               and xv.device.type in self.devices and wv.device == xv.device)
         return w if ok else None
 
-    def uuid(self) -> str:
-        return hashlib.sha256((super().uuid() + repr((self.devices, self.lone_min_k))).encode()).hexdigest()
+    def settings(self) -> tuple:
+        return (*super().settings(), self.lone_min_k)
 
 
 def _input_key(x: torch.fx.Node) -> object:

@@ -78,8 +78,8 @@ def _grouped_linear_cuda(x, w):
 
 def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """The batched product ``transformers``' grouped linear computes (``bmm`` over the groups)."""
-    m, groups, k = x.shape
-    out = torch.bmm(x.transpose(0, 1), w.view(groups, -1, k).transpose(1, 2))
+    _, groups, k = x.shape
+    out = torch.bmm(x.transpose(0, 1), w.reshape(groups, -1, k).transpose(1, 2))
     return out.transpose(0, 1).contiguous()
 
 

@@ -53,6 +53,12 @@ def default_config(k: int, rows: int = 0) -> TileConfig:
     return DEEP_K_CONFIG if k >= DEEP_K else SHALLOW_K_CONFIG
 
 
+def _aligned(w: torch.Tensor) -> torch.Tensor:
+    """``w``, or a contiguous copy when it is strided or not 16-byte aligned: the kernels assume
+    contiguous rows and vectorise their loads on that alignment (a fresh copy has it)."""
+    return w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
+
+
 @triton.jit
 def _rows_product(x_ptr, stride_x, M, K, w_rows, row_ok, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr):
@@ -128,9 +134,7 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
                          f"{MAX_ROWS} rows and 1 to {MAX_WEIGHTS} weights")
     if x.stride(-1) != 1:
         x = x.contiguous()
-    # the kernel assumes 16-byte aligned weights (a fresh copy is); outputs are fresh allocations
-    weights = [w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
-               for w in weights]
+    weights = [_aligned(w) for w in weights]  # outputs are fresh allocations, aligned too
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
     block_n, block_k, warps, stages = config or default_config(k, sum(w.shape[0] for w in weights))
     firsts = [0]
@@ -173,8 +177,7 @@ def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig |
     n = w.shape[0] // groups
     if x.stride(-1) != 1:
         x = x.contiguous()
-    if not (w.is_contiguous() and w.data_ptr() % 16 == 0):
-        w = w.clone(memory_format=torch.contiguous_format)
+    w = _aligned(w)
     out = x.new_empty(m, groups, n)
     if out.numel() == 0:
         return out

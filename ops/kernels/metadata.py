@@ -128,15 +128,23 @@ def _c128_block(q, j, visible, page, indices_ptr, NP, K):
 
 
 @triton.jit
-def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_of_row_ptr, seq_lens_causal_ptr,
-                           extend_start_ptr, extend_end_ptr, positions_ptr, B, BLOCK_B: tl.constexpr):
-    q = tl.program_id(0)
-    req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
+def _store_expanded(q, req, seq, start, end, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr,
+                    positions_ptr):
+    """Row q's ``expand_queries`` fields (``positions = seq - 1``)."""
     tl.store(req_of_row_ptr + q, req)
     tl.store(seq_lens_causal_ptr + q, seq)
     tl.store(extend_start_ptr + q, start)
     tl.store(extend_end_ptr + q, end)
     tl.store(positions_ptr + q, seq - 1)
+
+
+@triton.jit
+def _expand_queries_kernel(req_rows_ptr, seq_lens_ptr, extend_lens_ptr, req_of_row_ptr, seq_lens_causal_ptr,
+                           extend_start_ptr, extend_end_ptr, positions_ptr, B, BLOCK_B: tl.constexpr):
+    q = tl.program_id(0)
+    req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
+    _store_expanded(q, req, seq, start, end, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr, extend_end_ptr,
+                    positions_ptr)
 
 
 @triton.jit
@@ -214,11 +222,8 @@ def _step_metadata_kernel(
     j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i
     _c128_block(q, j, visible, page[:, None], c128_indices_ptr, NP, K)
     if blk == 0:
-        tl.store(req_of_row_ptr + q, req)
-        tl.store(seq_lens_causal_ptr + q, seq)
-        tl.store(extend_start_ptr + q, start)
-        tl.store(extend_end_ptr + q, end)
-        tl.store(positions_ptr + q, seq - 1)
+        _store_expanded(q, req, seq, start, end, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr,
+                        extend_end_ptr, positions_ptr)
         loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
                  full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)
