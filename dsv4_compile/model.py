@@ -119,13 +119,17 @@ def run_decoder(model: nn.Module, embeds: torch.Tensor, input_ids: torch.Tensor,
     composes it (hyper-connection collapse, norm, block, hyper-connection expand and mix, for the
     attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops."""
     h = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
+    mix = None  # (post, comb, block output) of the last block, not yet mixed into h
     for i, layer in enumerate(model.model.layers):
-        post, comb, collapsed = hyper_connection.pre(layer.attn_hc, h)
-        h = hyper_connection.post(post, comb, attend(i, layer.input_layernorm(collapsed)), h)
-        post, comb, collapsed = hyper_connection.pre(layer.ffn_hc, h)
-        h = hyper_connection.post(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed),
-                                                        input_ids=input_ids), h)
-    return h
+        # each block is called within this iteration, so its closure sees this layer
+        for hc, block in ((layer.attn_hc, lambda x: attend(i, layer.input_layernorm(x))),
+                          (layer.ffn_hc, lambda x: layer.mlp(layer.post_attention_layernorm(x), input_ids=input_ids))):
+            if mix is None:
+                post, comb, collapsed = hyper_connection.pre(hc, h)
+            else:  # a block's mix and the next hyper-connection: one op
+                h, post, comb, collapsed = hyper_connection.post_pre(*mix, h, hc)
+            mix = (post, comb, block(collapsed))
+    return h if mix is None else hyper_connection.post(*mix, h)
 
 
 def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,9 @@
   block, the mix after it, the final collapse. The model step calls them with the model's own
   parameters (``dsv4_compile/hf_hyper_connection.py``); on CUDA they take two launches, one and two,
   where Inductor runs transformers' code as about ten kernels per hyper-connection.
+* ``dsv4::hc_post_pre``: a block's mix followed by the next hyper-connection (``hc_post`` then
+  ``hc_pre``, as one block's output meets the next block), in the two launches of ``hc_pre``: the
+  projection's programs make the new streams they read.
 * ``dsv4::sinkhorn``: the Sinkhorn-Knopp normalisation of the comb weights alone. Nothing calls it:
   ``FuseSinkhornPass`` (``fx_passes/fuse_sinkhorn.py``) puts it in place of the traced loop of
   ``2 iters - 1`` normalisations (a kernel each) where transformers' own hyper-connection code is
@@ -124,13 +127,18 @@ def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.
     return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps)
 
 
-def _check_hc_post(post, comb, out, streams) -> None:
-    n, d = _check_streams("hc_post", streams)
+def _check_posted(op: str, post, comb, out, streams) -> None:
+    """The arguments of a block's mix (``hc_post``, and ``hc_post_pre``'s first four)."""
+    n, d = _check_streams(op, streams)
     lead = tuple(streams.shape[:-2])
-    check_tensor("hc_post", "post", post, dtypes=_STREAM_DTYPES, shape=(*lead, n), ndim=len(lead) + 1)
-    check_tensor("hc_post", "comb", comb, dtypes=_STREAM_DTYPES, shape=(*lead, n, n), ndim=len(lead) + 2)
-    check_tensor("hc_post", "out", out, dtypes=(streams.dtype,), shape=(*lead, d), ndim=len(lead) + 1)
-    check_devices("hc_post", streams=streams, post=post, comb=comb, out=out)
+    check_tensor(op, "post", post, dtypes=_STREAM_DTYPES, shape=(*lead, n), ndim=len(lead) + 1)
+    check_tensor(op, "comb", comb, dtypes=_STREAM_DTYPES, shape=(*lead, n, n), ndim=len(lead) + 2)
+    check_tensor(op, "out", out, dtypes=(streams.dtype,), shape=(*lead, d), ndim=len(lead) + 1)
+    check_devices(op, streams=streams, post=post, comb=comb, out=out)
+
+
+def _check_hc_post(post, comb, out, streams) -> None:
+    _check_posted("hc_post", post, comb, out, streams)
 
 
 def _hc_post_fake(post, comb, out, streams):
@@ -149,3 +157,37 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: 
     ``comb [..., N, N]``, the block's ``out [..., D]``, ``streams [..., N, D]`` -> the next streams
     ``post ⊗ out + combᵀ @ streams`` ``[..., N, D]`` in ``streams``' dtype (a new tensor)."""
     return ref.hc_post(post, comb, out, streams)
+
+
+def _check_hc_post_pre(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps) -> None:
+    _check_posted("hc_post_pre", post, comb, out, streams)
+    n = streams.shape[-2]
+    _check_weights("hc_post_pre", streams, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
+    check_positive("hc_post_pre", "iters", iters)
+
+
+def _hc_post_pre_fake(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
+    return (streams.new_empty(streams.shape), *_hc_pre_fake(streams, fn, base, scale, iters, hc_eps, norm_eps))
+
+
+def _hc_post_pre_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
+    if streams.shape[-2] > kernels.MAX_HC_N:
+        return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps)
+    return kernels.launch_hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, posted=(post, comb, out))
+
+
+def _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
+    new = ref.hc_post(post, comb, out, streams)
+    return (new, *ref.hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
+
+
+@dsv4_op("hc_post_pre", check=_check_hc_post_pre, fake=_hc_post_pre_fake,
+         cuda=_hc_post_pre_cuda if HAS_TRITON else None)
+def hc_post_pre(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor, fn: torch.Tensor,
+                base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``hc_post(post, comb, out, streams)`` followed by ``hc_pre`` of its result with the next
+    hyper-connection's ``fn``, ``base``, ``scale``, ``iters``, ``hc_eps``, ``norm_eps`` (arguments as
+    those two ops) -> ``new_streams [..., N, D]`` (``streams``' dtype), then ``hc_pre``'s ``post``,
+    ``comb`` and ``collapsed``; equal to the two ops called in turn."""
+    return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps)

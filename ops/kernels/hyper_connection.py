@@ -11,7 +11,9 @@ rows with the next one over columns).
 * ``_mix_partial_kernel``: the projection ``x [T, K] @ fn [M, K]ᵀ`` (K = N D) and each token's sum of
   squares, split over K (``SPLIT`` programs per block of tokens, so a decode step's few tokens still
   spread the ``M x K`` fp32 weights over the GPU) into fp32 partials ``[SPLIT, T, MP]``. The RMS norm is
-  a per-token factor, so it is applied after the sum: ``(x r) fnᵀ = r (x fnᵀ)``.
+  a per-token factor, so it is applied after the sum: ``(x r) fnᵀ = r (x fnᵀ)``. For
+  ``dsv4::hc_post_pre`` (``POST``) a program first makes its columns of x from the previous block's
+  mix, as ``_post_kernel`` does, and stores them: the previous ``hc_post`` costs no launch of its own.
 * ``_pre_finish_kernel``: per token, the partials summed; program 0 of a token turns them into
   ``post``, the softmax of ``comb`` and its Sinkhorn normalisation (one warp, in registers; absent for
   ``hc_head``); the others each collapse ``BLOCK_D`` columns of the streams with ``pre``.
@@ -48,6 +50,11 @@ _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
+# hc_post_pre makes the new streams inside the projection up to this many tokens. On the H200 in the
+# 4-layer model step (9 hyper-connections, 8 of them after a block): at 1 token the projection took
+# 35.3 µs against 29.2 + 14.1 for it and hc_post apart; at 8 tokens 89.0 against 52.4 + 15.2 (each
+# program then gathers the four old streams of eight tokens per K block), so there hc_post runs first.
+POSTED_MAX_TOKENS = 1
 
 
 @triton.jit
@@ -98,15 +105,43 @@ def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 @triton.jit
-def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
-                        BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, MP: tl.constexpr):
-    """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)``) of tokens
+def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, k0, D,
+                    N: tl.constexpr, NP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Columns ``[k0, k0 + BLOCK_K)`` of the flattened next streams of tokens ``t [BLOCK_T]``, all in
+    stream ``i = k0 // D`` (``BLOCK_K`` divides D): ``new[t, i, d] = post[t, i] out[t, d] +
+    sum_j comb[t, j, i] streams[t, j, d]``, rounded as ``_post_kernel`` rounds, stored to ``new_ptr``
+    and returned as fp32 ``[BLOCK_T, BLOCK_K]`` (0 past the last stream)."""
+    dt = new_ptr.dtype.element_ty
+    i = k0 // D
+    d = k0 - i * D + tl.arange(0, BLOCK_K)
+    j = tl.arange(0, NP)
+    tok = t[:, None].to(tl.int64)
+    t_ok = t_ok[:, None] & (i < N)
+    post = tl.load(post_ptr + tok * N + i, mask=t_ok, other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, 1]
+    comb = tl.load(comb_ptr + tok * (N * N) + j[None, :] * N + i, mask=t_ok & (j < N)[None, :],
+                   other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, j]: comb[t, j, i]
+    streams = tl.load(streams_ptr + (tok[:, :, None] * N + j[None, :, None]) * D + d[None, None, :],
+                      mask=t_ok[:, :, None] & (j < N)[None, :, None], other=0.0).to(tl.float32)
+    block_out = tl.load(out_ptr + tok * D + d[None, :], mask=t_ok, other=0.0).to(tl.float32)
+    mixed = tl.sum(comb[:, :, None] * streams, axis=1).to(dt).to(tl.float32)
+    new = ((post * block_out).to(dt).to(tl.float32) + mixed).to(dt)
+    tl.store(new_ptr + tok * (N * D) + k0 + tl.arange(0, BLOCK_K)[None, :], new, mask=t_ok)
+    return new.to(tl.float32)
+
+
+@triton.jit
+def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, T, D, M,
+                        k_per_split, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_K: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr):
+    """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)`` of K = N D) of tokens
     ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] = sum_k x[t, k] fn[m, k]`` and
-    ``sq[s, t] = sum_k x[t, k]²``, fp32."""
+    ``sq[s, t] = sum_k x[t, k]²``, fp32. ``POST``: ``x_ptr`` holds the streams before the previous
+    block's mix (``post_ptr``, ``comb_ptr``, ``out_ptr``); x is made from them and stored to ``new_ptr``."""
     s = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
     t_ok, m_ok = t < T, m < M
+    K = N * D
     # products accumulate elementwise and are reduced over k once, after the loop
     acc = tl.zeros([BLOCK_T, MP, BLOCK_K], tl.float32)
     sq = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
@@ -114,8 +149,11 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, T, K, M, k_per_split,
     for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        xv = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                     other=0.0).to(tl.float32)
+        if POST:
+            xv = _posted_streams(x_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, k0, D, N, NP, BLOCK_K)
+        else:
+            xv = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
+                         other=0.0).to(tl.float32)
         w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += xv[:, None, :] * w[None, :, :]
         sq += xv * xv
@@ -183,37 +221,57 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         tl.store(out_ptr + t * D + d, collapsed.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
+def _mix_plan(tokens: int, k: int, m: int) -> tuple[int, int, int, int, int]:
+    """``(MP, BLOCK_T, BLOCK_K, token blocks, k_per_split)`` of the projection of ``tokens`` rows of
+    K = ``k`` by ``m`` mix weights."""
+    mp = triton.next_power_of_2(m)
+    block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tokens, 1)))
+    block_k = max(16, _PRODUCT_ELEMS // (mp * block_t))
+    t_blocks = triton.cdiv(tokens, block_t)
+    split = max(1, min(_MAX_SPLIT, triton.cdiv(k, block_k), _MIX_PROGRAMS // max(t_blocks, 1)))
+    return mp, block_t, block_k, t_blocks, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+
+
 def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
-                  hc_eps: float, norm_eps: float, head: bool = False):
+                  hc_eps: float, norm_eps: float, head: bool = False,
+                  posted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """``x [..., N, D]`` (N <= :data:`MAX_HC_N`), ``fn [M, N D]``, ``base [M]``, ``scale`` as
     ``dsv4::hc_pre`` (``head=False``: returns ``post, comb, collapsed``) or ``dsv4::hc_head``
-    (``head=True``: returns ``collapsed``)."""
+    (``head=True``: returns ``collapsed``). ``posted = (post, comb, out)``: ``dsv4::hc_post_pre``, x the
+    streams before that mix; returns ``new_streams, post, comb, collapsed``. The projection makes the
+    new streams up to :data:`POSTED_MAX_TOKENS` tokens when its K blocks divide D (D = 4096 of the
+    released models); otherwise ``_post_kernel`` makes them first."""
     n, d = x.shape[-2:]
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     tokens, k, m = xs.shape[0], n * d, fn.shape[0]
+    mp, block_t, block_k, t_blocks, k_per_split = _mix_plan(tokens, k, m)
+    if posted is not None and (d % block_k or tokens > POSTED_MAX_TOKENS):
+        new = launch_hc_post(*posted, x)
+        return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
     post = x.new_empty((*lead, n), dtype=torch.float32)
     comb = x.new_empty((*lead, n, n), dtype=torch.float32)
     out = x.new_empty((*lead, d))
+    # the streams the collapse reads: x, or the ones the projection's programs make and store
+    streams = xs if posted is None else torch.empty_like(xs)
     if tokens:
-        mp = triton.next_power_of_2(m)
-        block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(tokens))
-        block_k = max(16, _PRODUCT_ELEMS // (mp * block_t))
-        t_blocks = triton.cdiv(tokens, block_t)
-        split = max(1, min(_MAX_SPLIT, triton.cdiv(k, block_k), _MIX_PROGRAMS // t_blocks))
-        k_per_split = triton.cdiv(triton.cdiv(k, split), block_k) * block_k
         split = triton.cdiv(k, k_per_split)
         dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
         sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
-        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, tokens, k, m, k_per_split, BLOCK_T=block_t,
-                                               BLOCK_K=block_k, MP=mp)
+        mixed = [t.contiguous() for t in posted] if posted is not None else (xs, xs, xs)  # unread without POST
+        np2 = triton.next_power_of_2(n)
+        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, tokens, d, m, k_per_split, N=n,
+                                               NP=np2, BLOCK_T=block_t, BLOCK_K=block_k, MP=mp,
+                                               POST=posted is not None)
         parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
-        _pre_finish_kernel[(tokens, parts)](xs, dots, sq, base, scale, post, comb, out, tokens, d, split, 1.0 / k,
-                                            iters, hc_eps, norm_eps, N=n, NP=triton.next_power_of_2(n), MP=mp,
+        _pre_finish_kernel[(tokens, parts)](streams, dots, sq, base, scale, post, comb, out, tokens, d, split,
+                                            1.0 / k, iters, hc_eps, norm_eps, N=n, NP=np2, MP=mp,
                                             SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D, HEAD=head,
                                             num_warps=1)
-    return out if head else (post, comb, out)
+    if head:
+        return out
+    return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)
 
 
 @triton.jit

@@ -6,8 +6,8 @@ input. The sums may be added in another order than the reference's, so results a
 rounding (atol 1e-6 on values in [0, 1]); through ``torch.ops.dsv4`` an N past the kernel's MAX_N
 runs the reference.
 
-hc_pre / hc_head / hc_post: token counts filling whole token blocks, a partial one and none, N = 4
-and 3, column counts that are and are not multiples of the column block.
+hc_pre / hc_head / hc_post / hc_post_pre: token counts filling whole token blocks, a partial one and
+none, N = 4 and 3, column counts that are and are not multiples of the column block.
 """
 
 import pytest
@@ -99,3 +99,23 @@ def test_hc_post_matches_reference(device, lead, n, d, dtype):
     post, comb, _ = ref.hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6)
     out = _streams(lead, 1, d, device, dtype, seed=2)[..., 0, :]
     _assert_rounding_close(kernels.launch_hc_post(post, comb, out, streams), ref.hc_post(post, comb, out, streams))
+
+
+# K blocks that divide D (the projection makes the streams; a whole and a partial token block, N = 3)
+# and one that does not (520: the mix runs first, as hc_post)
+@pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 256), ((1, 9), 4, 96), ((2, 3), 3, 64), ((17,), 4, 128),
+                                        ((0,), 4, 64), ((1, 2), 4, 520)])
+@pytest.mark.parametrize("posted_max_tokens", [kernels.POSTED_MAX_TOKENS, 64])
+def test_hc_post_pre_matches_reference(device, lead, n, d, posted_max_tokens, monkeypatch):
+    """The new streams, then hc_pre of them, as the two references in turn; with the projection
+    making the streams up to the default token count and up to 64 tokens."""
+    monkeypatch.setattr(kernels, "POSTED_MAX_TOKENS", posted_max_tokens)
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    streams = _streams(lead, n, d, device)
+    post, comb, _ = ref.hc_pre(_streams(lead, n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
+    out = _streams(lead, 1, d, device, seed=2)[..., 0, :]
+    got = kernels.launch_hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, posted=(post, comb, out))
+    _assert_rounding_close(got[0], ref.hc_post(post, comb, out, streams))
+    # hc_pre's outputs of the kernel's own streams (which may differ from the reference's by a rounding)
+    for g, w in zip(got[1:], ref.hc_pre(got[0], fn, base, scale, 20, 1e-6, 1e-6), strict=True):
+        _assert_rounding_close(g, w)

@@ -4,9 +4,12 @@ in the model step.
 CPU: each op's reference is bit for bit what transformers computes — ``DeepseekV4HyperConnection``,
 ``DeepseekV4HyperHead`` and a whole ``DeepseekV4DecoderLayer`` (its attention and MoE replaced by
 stand-ins, so that only the hyper-connections and norms are compared); the model step runs the ops
-(two ``hc_pre`` and two ``hc_post`` per layer, one ``hc_head``) and compiles with no graph break,
+(``hc_pre`` before the first block, ``hc_post_pre`` between blocks, ``hc_post`` after the last,
+``hc_head``) and compiles with no graph break,
 the compiled logits equal to the eager backend's; a module whose class overrides ``forward`` is
 called as it is; bad arguments are named."""
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -18,7 +21,7 @@ from dsv4_compile import hf_hyper_connection as hyper_connection
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseStepMetadataPass
-from dsv4_compile.model import enable
+from dsv4_compile.model import enable, run_decoder
 from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state, graph_breaks
 from tests.support.hf_model import tiny_hf_config, tiny_hf_model
@@ -56,6 +59,8 @@ def test_no_tokens():
     post, comb, collapsed = torch.ops.dsv4.hc_pre(*args)
     assert (post.shape, comb.shape, collapsed.shape) == ((0, 4), (0, 4, 4), (0, config.hidden_size))
     assert torch.ops.dsv4.hc_post(post, comb, collapsed, args[0]).shape == (0, 4, config.hidden_size)
+    shapes = [t.shape for t in torch.ops.dsv4.hc_post_pre(post, comb, collapsed, *args)]
+    assert shapes == [(0, 4, config.hidden_size), (0, 4), (0, 4, 4), (0, config.hidden_size)]
 
 
 class _Block(nn.Module):
@@ -71,25 +76,47 @@ class _Block(nn.Module):
         return (y, None) if self.returns_tuple else y
 
 
-@torch.no_grad()
-def test_decoder_layer_composition_is_transformers():
-    """transformers' ``DeepseekV4DecoderLayer.forward`` and the backend's composition (hc_pre, norm,
-    block, hc_post, twice) give the same streams, bit for bit."""
-    config = tiny_hf_config(num_hidden_layers=1)
-    layer = DeepseekV4DecoderLayer(config, 0)
-    layer.self_attn, layer.mlp = _Block(config.hidden_size, 1, True), _Block(config.hidden_size, 2, False)
+def _stand_in_layer(config, index: int) -> DeepseekV4DecoderLayer:
+    """A decoder layer whose attention and MoE are :class:`_Block` s, bf16 with fp32 hyper-connections
+    (as ``from_pretrained`` keeps them)."""
+    layer = DeepseekV4DecoderLayer(config, index)
+    layer.self_attn = _Block(config.hidden_size, 2 * index + 1, True)
+    layer.mlp = _Block(config.hidden_size, 2 * index + 2, False)
     for module in (layer.attn_hc, layer.ffn_hc, layer.input_layernorm, layer.post_attention_layernorm):
         _randomised(module)
     layer = layer.bfloat16()
-    for module in (layer.attn_hc, layer.ffn_hc):  # fp32, as from_pretrained keeps them
+    for module in (layer.attn_hc, layer.ffn_hc):
         module.float()
-    h = _streams(config, 1, 6)
-    want = layer(h)
-    post, comb, collapsed = hyper_connection.pre(layer.attn_hc, h)
-    h = hyper_connection.post(post, comb, layer.self_attn(layer.input_layernorm(collapsed))[0], h)
-    post, comb, collapsed = hyper_connection.pre(layer.ffn_hc, h)
-    got = hyper_connection.post(post, comb, layer.mlp(layer.post_attention_layernorm(collapsed)), h)
+    return layer
+
+
+@torch.no_grad()
+def test_run_decoder_is_transformers_decoder_layers():
+    """transformers' ``DeepseekV4DecoderLayer.forward`` twice and the model step's composition
+    (``run_decoder``: hc_pre, norm, block, then hc_post_pre between blocks, hc_post after the last)
+    give the same streams, bit for bit."""
+    config = tiny_hf_config(num_hidden_layers=2)
+    layers = [_stand_in_layer(config, i) for i in range(2)]
+    model = SimpleNamespace(config=config, model=SimpleNamespace(layers=layers))
+    embeds = torch.randn(1, 6, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = embeds.unsqueeze(2).expand(-1, -1, config.hc_mult, -1).contiguous()
+    for layer in layers:
+        want = layer(want)
+    got = run_decoder(model, embeds, torch.zeros(1, 6, dtype=torch.long), lambda i, x: layers[i].self_attn(x)[0])
     assert torch.equal(got, want)
+
+
+@torch.no_grad()
+def test_hc_post_pre_is_hc_post_then_hc_pre():
+    config = tiny_hf_config()
+    hc = _randomised(DeepseekV4HyperConnection(config)).float()
+    streams = _streams(config, 2, 3)
+    post, comb, _ = hyper_connection.pre(hc, _streams(config, 2, 3, seed=1))
+    out = _streams(config, 2, 3, seed=2)[..., 0, :]
+    new = hyper_connection.post(post, comb, out, streams)
+    got = hyper_connection.post_pre(post, comb, out, streams, hc)
+    for g, w in zip(got, (new, *hc(new)), strict=True):
+        assert g.dtype == w.dtype and torch.equal(g, w)
 
 
 class _LoggedHyperConnection(DeepseekV4HyperConnection):
@@ -124,8 +151,8 @@ def test_model_step_runs_the_ops():
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
         assert graph_breaks() == 0
     ops = passes.last_ops
-    assert (ops.count("dsv4.hc_pre.default"), ops.count("dsv4.hc_post.default"), ops.count("dsv4.hc_head.default")) \
-        == (2 * layers, 2 * layers, 1)
+    counts = [ops.count(f"dsv4.{name}.default") for name in ("hc_pre", "hc_post_pre", "hc_post", "hc_head")]
+    assert counts == [1, 2 * layers - 1, 1, 1]
     assert torch.equal(got, want)
 
 
@@ -151,7 +178,7 @@ def test_hc_pre_bad_arguments_are_named(index, value, error, match):
         torch.ops.dsv4.hc_pre(*args)
 
 
-def test_hc_head_and_hc_post_bad_arguments_are_named():
+def test_hc_head_hc_post_and_hc_post_pre_bad_arguments_are_named():
     config = tiny_hf_config()
     x = _streams(config, 1, 3)
     head = DeepseekV4HyperHead(config)
@@ -164,3 +191,10 @@ def test_hc_head_and_hc_post_bad_arguments_are_named():
         torch.ops.dsv4.hc_post(post, comb, out.float(), x)
     with pytest.raises(ValueError, match="dsv4.hc_post: post must be 3-D"):
         torch.ops.dsv4.hc_post(post[0], comb, out, x)
+    pre_args = _pre_args(config)[1:]
+    with pytest.raises(ValueError, match="dsv4.hc_post_pre: comb has shape"):
+        torch.ops.dsv4.hc_post_pre(post, comb[:, :2], out, x, *pre_args)
+    with pytest.raises(ValueError, match="dsv4.hc_post_pre: fn has shape"):
+        torch.ops.dsv4.hc_post_pre(post, comb, out, x, pre_args[0][:, :8], *pre_args[1:])
+    with pytest.raises(ValueError, match="dsv4.hc_post_pre: iters=0"):
+        torch.ops.dsv4.hc_post_pre(post, comb, out, x, *pre_args[:3], 0, *pre_args[4:])

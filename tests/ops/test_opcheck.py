@@ -116,17 +116,18 @@ def test_sinkhorn(x):
 
 
 def _hyper_connection_args(tokens: int) -> dict[str, tuple]:
-    """``hc_pre`` / ``hc_head`` / ``hc_post`` arguments: 4 streams of hidden 64, bf16."""
+    """``hc_pre`` / ``hc_head`` / ``hc_post`` / ``hc_post_pre`` arguments: 4 streams of hidden 64, bf16."""
     x = torch.randn(1, tokens, 4, 64).bfloat16()
     fn, base, scale = torch.randn(24, 256) * 0.1, torch.randn(24), torch.randn(3)
     post, comb, out = ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
     return {"hc_pre": (x, fn, base, scale, 20, 1e-6, 1e-6),
             "hc_head": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6),
-            "hc_post": (post, comb, out, x)}
+            "hc_post": (post, comb, out, x),
+            "hc_post_pre": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6)}
 
 
 @pytest.mark.parametrize("tokens", [0, 3])
-@pytest.mark.parametrize("op_name", ["hc_pre", "hc_head", "hc_post"])
+@pytest.mark.parametrize("op_name", ["hc_pre", "hc_head", "hc_post", "hc_post_pre"])
 def test_hyper_connection_ops(op_name, tokens):
     _opcheck(getattr(ops, op_name), _hyper_connection_args(tokens)[op_name])
 
@@ -221,7 +222,7 @@ def _calls(state) -> dict[str, tuple]:
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
            "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear", "rms_norm_rope",
-           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post"]
+           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
