@@ -135,6 +135,13 @@ def test_a_module_with_its_own_forward_is_called():
     for got, want in zip(hyper_connection.pre(hc, x), DeepseekV4HyperConnection.forward(hc, x), strict=True):
         assert torch.equal(got, want)
     assert _LoggedHyperConnection.calls == 1
+    # between blocks too: the mix as an op, then the module
+    post, comb, out = hyper_connection.pre(hc, _streams(config, 1, 3, seed=1))
+    new = hyper_connection.post(post, comb, out, x)
+    got = hyper_connection.post_pre(post, comb, out, x, hc)
+    for g, w in zip(got, (new, *DeepseekV4HyperConnection.forward(hc, new)), strict=True):
+        assert torch.equal(g, w)
+    assert _LoggedHyperConnection.calls == 3
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
