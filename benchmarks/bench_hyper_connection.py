@@ -13,6 +13,12 @@ model step calls, ``dsv4_compile.hf_hyper_connection.pre``), compiled the same w
 kernel launches per call (``torch.profiler`` over ``--iters`` calls) and µs per call over
 CUDA-graph replays of 20 calls (``testing.bench.graph_us``); max |Δ comb| of each way against
 ``unfused``.
+
+Between two blocks the model step calls ``dsv4::hc_post_pre`` (a block's mix, then the next
+hyper-connection). ``post_pre`` in each case times that op both ways it can run, µs per call over
+CUDA-graph replays: ``in_projection`` (the projection's programs make the new streams: 2 launches)
+and ``apart`` (``hc_post``, then ``hc_pre``: 3), whatever the op's token threshold
+(``POSTED_MAX_TOKENS``) would pick.
 """
 
 from __future__ import annotations
@@ -27,12 +33,28 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from dsv4_compile import hf_hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
-from dsv4_compile.testing.bench import graph_us, header, profile_steps
+from dsv4_compile.testing.bench import graph_us, header, posted_max_tokens, profile_steps
 
 # way -> (what is compiled, given the module; its dsv4 pass list)
 WAYS = {"unfused": (lambda hc: hc, lambda: DSV4PassManager([FuseStepMetadataPass()])),
         "fused": (lambda hc: hc, lambda: DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()])),
         "ops": (lambda hc: lambda streams: hf_hyper_connection.pre(hc, streams), DSV4PassManager)}
+
+
+# hc_post_pre's two ways: the most tokens for which the projection makes the new streams
+POST_PRE_WAYS = {"in_projection": 1 << 30, "apart": 0}
+
+
+def post_pre_us(hc, streams: torch.Tensor) -> dict[str, float]:
+    """µs per ``hc_post_pre`` call on ``streams [1, T, N, D]`` (a block output and the previous
+    hyper-connection's weights drawn alongside), each of :data:`POST_PRE_WAYS`."""
+    post, comb, _ = hf_hyper_connection.pre(hc, torch.randn_like(streams))
+    out = torch.randn_like(streams[:, :, 0])
+    timed = {}
+    for name, limit in POST_PRE_WAYS.items():
+        with posted_max_tokens(limit):
+            timed[name] = graph_us(lambda: hf_hyper_connection.post_pre(post, comb, out, streams, hc), iters=20, inner=20)
+    return timed
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -64,9 +86,11 @@ def main(argv=None) -> dict:
                 case[name] = {"kernels": prof["kernels"], "top": prof["top"], "us": graph_us(lambda: fn(streams), iters=20, inner=20)}
             for name in WAYS:
                 case[name]["max_abs_diff_comb"] = (combs[name] - combs["unfused"]).abs().max().item()
+            case["post_pre"] = post_pre_us(hc, streams)
             results["cases"].append(case)
             print(f"T {t:5d} | " + " | ".join(f"{name} {case[name]['kernels']:5.1f} kernels {case[name]['us']:7.2f} us "
-                                              f"(|Δ comb| {case[name]['max_abs_diff_comb']:.1e})" for name in WAYS),
+                                              f"(|Δ comb| {case[name]['max_abs_diff_comb']:.1e})" for name in WAYS)
+                  + " | post_pre " + " ".join(f"{name} {us:.2f} us" for name, us in case["post_pre"].items()),
                   flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))

@@ -43,6 +43,9 @@ Ways (the same model and weights):
                    ``--ways``
     compiled_step_graphs_pdl  the same with Inductor's kernels under programmatic dependent launch
                    (``triton.enable_pdl``); not in the default ``--ways``
+    compiled_step_graphs_hc_post_apart  whole-step graphs with every ``dsv4::hc_post_pre`` run as
+                   ``hc_post`` then ``hc_pre`` (3 launches, as above one token), for a side-by-side
+                   with ``compiled_step_graphs`` at one token; not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -91,7 +94,8 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import compiled_ratios, header, host_us_per_call, profile_steps, wall_call
+from dsv4_compile.testing.bench import (compiled_ratios, header, host_us_per_call, posted_max_tokens, profile_steps,
+                                        wall_call)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -113,7 +117,7 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
-        "compiled_step_graphs", "compiled_step_graphs_pdl")
+        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -504,6 +508,10 @@ def run(args) -> dict:
         measure_backend(backend, "compiled_step_graphs_pdl",
                         compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
                                      options={"triton.enable_pdl": True}), args, results)
+    if "compiled_step_graphs_hc_post_apart" in args.ways:
+        with posted_max_tokens(0):  # each step's graph captures hc_post, then hc_pre
+            measure_backend(backend, "compiled_step_graphs_hc_post_apart",
+                            compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
     return summarize(results, model.config, args)
 
 

@@ -14,11 +14,14 @@ Wall time (:func:`wall_call`): a call's wall seconds with the device work it que
 
 Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
 busy so that no call waits for it.
+
+Kernel choices (:func:`posted_max_tokens`): the two ways of ``dsv4::hc_post_pre`` side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import statistics
 import subprocess
@@ -197,3 +200,19 @@ def compiled_ratios(times: dict[str, float | None]) -> dict[str, float]:
     if not times.get("compiled"):
         return {}
     return {f"compiled_vs_{way}": t / times["compiled"] for way, t in times.items() if way != "compiled" and t}
+
+
+@contextlib.contextmanager
+def posted_max_tokens(limit: int):
+    """While entered, ``dsv4::hc_post_pre`` makes the new streams inside the projection up to
+    ``limit`` tokens (``ops.kernels.hyper_connection.POSTED_MAX_TOKENS``; 0: ``hc_post`` then
+    ``hc_pre`` always). The launcher reads it at each call, so a CUDA graph keeps the way it
+    captured."""
+    from ..ops.kernels import hyper_connection
+
+    own = hyper_connection.POSTED_MAX_TOKENS
+    hyper_connection.POSTED_MAX_TOKENS = limit
+    try:
+        yield
+    finally:
+        hyper_connection.POSTED_MAX_TOKENS = own

@@ -15,6 +15,7 @@ import torch
 
 from dsv4_compile.ops.kernels import hyper_connection as kernels
 from dsv4_compile.reference import hyper_connection as ref
+from dsv4_compile.testing.bench import posted_max_tokens
 
 ATOL = 1e-6
 
@@ -105,16 +106,16 @@ def test_hc_post_matches_reference(device, lead, n, d, dtype):
 # and one that does not (520: the mix runs first, as hc_post)
 @pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 256), ((1, 9), 4, 96), ((2, 3), 3, 64), ((17,), 4, 128),
                                         ((0,), 4, 64), ((1, 2), 4, 520)])
-@pytest.mark.parametrize("posted_max_tokens", [kernels.POSTED_MAX_TOKENS, 64])
-def test_hc_post_pre_matches_reference(device, lead, n, d, posted_max_tokens, monkeypatch):
+@pytest.mark.parametrize("limit", [None, 64])
+def test_hc_post_pre_matches_reference(device, lead, n, d, limit):
     """The new streams, then hc_pre of them, as the two references in turn; with the projection
     making the streams up to the default token count and up to 64 tokens."""
-    monkeypatch.setattr(kernels, "POSTED_MAX_TOKENS", posted_max_tokens)
     fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
     streams = _streams(lead, n, d, device)
     post, comb, _ = ref.hc_pre(_streams(lead, n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
     out = _streams(lead, 1, d, device, seed=2)[..., 0, :]
-    got = kernels.launch_hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, posted=(post, comb, out))
+    with posted_max_tokens(kernels.POSTED_MAX_TOKENS if limit is None else limit):
+        got = kernels.launch_hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, posted=(post, comb, out))
     _assert_rounding_close(got[0], ref.hc_post(post, comb, out, streams))
     # hc_pre's outputs of the kernel's own streams (which may differ from the reference's by a rounding)
     for g, w in zip(got[1:], ref.hc_pre(got[0], fn, base, scale, 20, 1e-6, 1e-6), strict=True):
