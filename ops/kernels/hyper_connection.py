@@ -105,6 +105,13 @@ def launch_sinkhorn(x: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 
 @triton.jit
+def _rounded_mix(expanded, mixed, dt: tl.constexpr):
+    """The next streams in ``dt`` from the fp32 ``post ⊗ out`` and ``combᵀ @ streams``, each rounded
+    to ``dt`` before their sum is, as the reference (the decoder layer) rounds them."""
+    return (expanded.to(dt).to(tl.float32) + mixed.to(dt).to(tl.float32)).to(dt)
+
+
+@triton.jit
 def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, k0, D,
                     N: tl.constexpr, NP: tl.constexpr, BLOCK_K: tl.constexpr):
     """Columns ``[k0, k0 + BLOCK_K)`` of the flattened next streams of tokens ``t [BLOCK_T]``, all in
@@ -123,8 +130,7 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
     streams = tl.load(streams_ptr + (tok[:, :, None] * N + j[None, :, None]) * D + d[None, None, :],
                       mask=t_ok[:, :, None] & (j < N)[None, :, None], other=0.0).to(tl.float32)
     block_out = tl.load(out_ptr + tok * D + d[None, :], mask=t_ok, other=0.0).to(tl.float32)
-    mixed = tl.sum(comb[:, :, None] * streams, axis=1).to(dt).to(tl.float32)
-    new = ((post * block_out).to(dt).to(tl.float32) + mixed).to(dt)
+    new = _rounded_mix(post * block_out, tl.sum(comb[:, :, None] * streams, axis=1), dt)
     tl.store(new_ptr + tok * (N * D) + k0 + tl.arange(0, BLOCK_K)[None, :], new, mask=t_ok)
     return new.to(tl.float32)
 
@@ -292,9 +298,8 @@ def _post_kernel(post_ptr, comb_ptr, out_ptr, streams_ptr, new_ptr, D, N: tl.con
     mask = n_ok[:, None] & d_ok[None, :]
     streams = tl.load(streams_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # [j, BLOCK_D]
     block_out = tl.load(out_ptr + t * D + d, mask=d_ok, other=0.0).to(tl.float32)
-    mixed = tl.sum(comb[:, :, None] * streams[:, None, :], axis=0).to(dt).to(tl.float32)  # [k, BLOCK_D]
-    expanded = (post[:, None] * block_out[None, :]).to(dt).to(tl.float32)
-    tl.store(new_ptr + offs, (expanded + mixed).to(dt), mask=mask)
+    mixed = tl.sum(comb[:, :, None] * streams[:, None, :], axis=0)  # [k, BLOCK_D]
+    tl.store(new_ptr + offs, _rounded_mix(post[:, None] * block_out[None, :], mixed, dt), mask=mask)
 
 
 def launch_hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
