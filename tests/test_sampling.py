@@ -1,19 +1,20 @@
-"""``greedy_tokens``: the chunked argmax equals ``argmax(-1)`` on rows with ties, infinities and
-NaNs, for vocabularies shorter than, equal to and past a chunk."""
+"""``greedy_tokens`` (``dsv4::greedy_tokens``, whose kernels ``tests/interpret`` checks) equals
+``argmax(-1)`` on rows with ties, infinities and NaNs; its argument checks; ``sample_tokens`` at
+temperature 0 is greedy."""
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_compile.sampling import GREEDY_CHUNK, greedy_tokens, sample_tokens
+from dsv4_compile.sampling import greedy_tokens, sample_tokens
 
 SPECIAL = [float("inf"), float("-inf"), float("nan")]
 
 
-@settings(max_examples=60, deadline=None)
-@given(rows=st.integers(1, 4), vocab=st.sampled_from([1, 7, GREEDY_CHUNK, GREEDY_CHUNK + 1, 3 * GREEDY_CHUNK - 5]),
-       levels=st.integers(1, 4), specials=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from(SPECIAL)),
-                                                   max_size=3),
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 4), vocab=st.integers(1, 300), levels=st.integers(1, 4),
+       specials=st.lists(st.tuples(st.integers(0, 10 ** 6), st.sampled_from(SPECIAL)), max_size=3),
        dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2 ** 16))
 def test_equals_argmax(rows, vocab, levels, specials, dtype, seed):
     gen = torch.Generator().manual_seed(seed)
@@ -24,6 +25,16 @@ def test_equals_argmax(rows, vocab, levels, specials, dtype, seed):
     assert got.dtype == torch.int64 and torch.equal(got, logits.argmax(-1))
 
 
-def test_greedy_sampling_is_the_chunked_argmax():
-    logits = torch.randn(3, 2 * GREEDY_CHUNK + 9)
+@pytest.mark.parametrize("logits, error, match", [
+    (torch.zeros(2, 0), ValueError, "logits has no columns"),
+    (torch.zeros(5), ValueError, "logits must be 2-D"),
+    (torch.zeros(2, 3, dtype=torch.int64), TypeError, "logits must have dtype"),
+])
+def test_bad_logits_are_named(logits, error, match):
+    with pytest.raises(error, match=match):
+        greedy_tokens(logits)
+
+
+def test_greedy_sampling_is_the_argmax():
+    logits = torch.randn(3, 2 * 1024 + 9)
     assert torch.equal(sample_tokens(logits, 0.0, 1.0, None), logits.argmax(-1))

@@ -154,6 +154,11 @@ def test_grouped_linear(rows):
     _opcheck(ops.grouped_linear, (torch.randn(rows, 2, 64).half(), torch.randn(2 * 8, 64).half()))
 
 
+@pytest.mark.parametrize("rows", [0, 3])
+def test_greedy_tokens(rows):
+    _opcheck(ops.greedy_tokens, (torch.randn(rows, 77).bfloat16(),))
+
+
 def _norm_rope_args(tokens: int, weight: bool) -> tuple:
     return (torch.randn(tokens, 3, 128).bfloat16(), torch.rand(128) + 0.5 if weight else None, 1e-6, not weight,
             torch.arange(tokens) * 7, torch.rand(16))
@@ -218,7 +223,7 @@ def _calls(state) -> dict[str, tuple]:
     }
 
 
-# sinkhorn is absent: its one tensor argument has no device to disagree with
+# sinkhorn and greedy_tokens are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
            "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear", "rms_norm_rope",
