@@ -46,6 +46,9 @@ Ways (the same model and weights):
     compiled_step_graphs_hc_post_apart  whole-step graphs with every ``dsv4::hc_post_pre`` run as
                    ``hc_post`` then ``hc_pre`` (3 launches, as above one token), for a side-by-side
                    with ``compiled_step_graphs`` at one token; not in the default ``--ways``
+    compiled_step_graphs_no_prefetch  whole-step graphs with the projections (``dsv4::linears``,
+                   ``dsv4::grouped_linear``) launched without PDL and their weight prefetch; not in
+                   the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -95,7 +98,7 @@ from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import (compiled_ratios, header, host_us_per_call, posted_max_tokens, profile_steps,
-                                        wall_call)
+                                        wall_call, weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -117,7 +120,8 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
-        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart")
+        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
+        "compiled_step_graphs_no_prefetch")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -447,9 +451,12 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
         if profiled := extra.get("profile"):
             results.setdefault("profile", {}).setdefault(way, {})[b] = profiled
             print(f"profile  b {b:>3} {way}: wall {profiled['wall_us']:.0f} us, GPU busy "
-                  f"{profiled['gpu_busy_us']:.0f} us, {profiled['kernels']:.0f} kernels/step; top kernels:", flush=True)
-            for k in profiled["top"][:15]:
-                print(f"    {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  {k['name'][:90]}", flush=True)
+                  f"{profiled['gpu_busy_us']:.0f} us, active {profiled['gpu_active_us']:.0f} us, idle "
+                  f"{profiled['gpu_idle_us']:.0f} us, {profiled['kernels']:.0f} kernels/step; top kernels "
+                  "(critical-path us, summed us, calls):", flush=True)
+            for k in profiled["top"][:25]:
+                print(f"    {k['critical_us_per_step']:8.1f} {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  "
+                      f"{k['name'][:90]}", flush=True)
 
 
 def _unless_oom(fn: Callable[[], float]) -> float | None:
@@ -511,6 +518,10 @@ def run(args) -> dict:
     if "compiled_step_graphs_hc_post_apart" in args.ways:
         with posted_max_tokens(0):  # each step's graph captures hc_post, then hc_pre
             measure_backend(backend, "compiled_step_graphs_hc_post_apart",
+                            compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
+    if "compiled_step_graphs_no_prefetch" in args.ways:
+        with weight_prefetch(False):
+            measure_backend(backend, "compiled_step_graphs_no_prefetch",
                             compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
     return summarize(results, model.config, args)
 

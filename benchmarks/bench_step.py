@@ -208,7 +208,8 @@ def run(args) -> list[dict]:
                 f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
             for way in ways:
                 if (prof := row.get(f"{way}_profile")) is not None:
-                    print(f"    {way}: wall {prof['wall_us']:.1f}us, GPU busy {prof['gpu_busy_us']:.1f}us, host "
+                    print(f"    {way}: wall {prof['wall_us']:.1f}us, GPU busy {prof['gpu_busy_us']:.1f}us, active "
+                          f"{prof['gpu_active_us']:.1f}us, host "
                           f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
                           + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
                           flush=True)

@@ -15,7 +15,8 @@ Wall time (:func:`wall_call`): a call's wall seconds with the device work it que
 Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
 busy so that no call waits for it.
 
-Kernel choices (:func:`posted_max_tokens`): the two ways of ``dsv4::hc_post_pre`` side by side.
+Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`): the two ways of
+``dsv4::hc_post_pre``, and the projections with or without their PDL weight prefetch, side by side.
 """
 
 from __future__ import annotations
@@ -121,9 +122,14 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     """Profile ``run_steps(steps)`` (``steps`` consecutive steps, already warmed up) on CUDA.
 
     Returns per step: ``wall_us`` (host wall time, device work included), ``gpu_busy_us`` (summed
-    kernel time: kernels of one stream do not overlap), ``host_overhead_us`` (their difference: the
-    time the GPU waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the
-    ``top`` kernels by time (``None``: all), each ``{"name", "us_per_step", "calls_per_step"}``.
+    kernel durations), ``gpu_active_us`` (the time at least one kernel runs: a kernel launched with
+    programmatic dependent launch starts while its predecessor still runs and waits inside, so the
+    durations overlap and their sum counts that wait twice), ``gpu_idle_us`` (the gaps between
+    kernels within the profiled span), ``host_overhead_us`` (wall minus active: the time the GPU
+    waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the ``top`` kernels by
+    time (``None``: all), each ``{"name", "us_per_step", "critical_us_per_step", "calls_per_step"}``,
+    where ``critical`` is the time from the end of whatever ran before the kernel to its own end,
+    the part of the step's active time the kernel adds (a PDL wait is not in it).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -134,6 +140,8 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     kernels: dict[str, list[float]] = {}
+    critical: dict[str, float] = {}
+    spans: list[tuple[float, float, str]] = []
     memcpy_us = 0.0
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
@@ -142,12 +150,22 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
             memcpy_us += ev.device_time_total
         else:
             kernels.setdefault(ev.name, []).append(ev.device_time_total)
+            spans.append((ev.time_range.start, ev.time_range.end, ev.name))
+    reached = idle = active = 0.0
+    for begin, end, name in sorted(spans):
+        if reached and begin > reached:
+            idle += begin - reached
+        added = max(0.0, end - max(begin, reached))
+        critical[name] = critical.get(name, 0.0) + added
+        active += added
+        reached = max(reached, end)
     busy = sum(sum(t) for t in kernels.values())
-    ranked = sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]
-    return {"wall_us": 1e6 * wall / steps, "gpu_busy_us": busy / steps,
-            "host_overhead_us": 1e6 * wall / steps - busy / steps,
+    ranked = sorted(kernels.items(), key=lambda kv: -critical[kv[0]])[:top]
+    return {"wall_us": 1e6 * wall / steps, "gpu_busy_us": busy / steps, "gpu_active_us": active / steps,
+            "gpu_idle_us": idle / steps, "host_overhead_us": 1e6 * wall / steps - active / steps,
             "kernels": sum(len(t) for t in kernels.values()) / steps, "memcpy_us": memcpy_us / steps,
-            "top": [{"name": name[:120], "us_per_step": sum(t) / steps, "calls_per_step": len(t) / steps}
+            "top": [{"name": name[:120], "us_per_step": sum(t) / steps, "critical_us_per_step": critical[name] / steps,
+                     "calls_per_step": len(t) / steps}
                     for name, t in ranked]}
 
 
@@ -203,16 +221,29 @@ def compiled_ratios(times: dict[str, float | None]) -> dict[str, float]:
 
 
 @contextlib.contextmanager
-def posted_max_tokens(limit: int):
-    """While entered, ``dsv4::hc_post_pre`` makes the new streams inside the projection up to
-    ``limit`` tokens (``ops.kernels.hyper_connection.POSTED_MAX_TOKENS``; 0: ``hc_post`` then
-    ``hc_pre`` always). The launcher reads it at each call, so a CUDA graph keeps the way it
-    captured."""
-    from ..ops.kernels import hyper_connection
-
-    own = hyper_connection.POSTED_MAX_TOKENS
-    hyper_connection.POSTED_MAX_TOKENS = limit
+def _kernel_setting(module, name: str, value):
+    """``module.name = value`` while entered (a launcher reads it at each launch, so a CUDA graph
+    keeps the way it captured)."""
+    own = getattr(module, name)
+    setattr(module, name, value)
     try:
         yield
     finally:
-        hyper_connection.POSTED_MAX_TOKENS = own
+        setattr(module, name, own)
+
+
+def posted_max_tokens(limit: int):
+    """While entered, ``dsv4::hc_post_pre`` makes the new streams inside the projection up to
+    ``limit`` tokens (``ops.kernels.hyper_connection.POSTED_MAX_TOKENS``; 0: ``hc_post`` then
+    ``hc_pre`` always)."""
+    from ..ops.kernels import hyper_connection
+
+    return _kernel_setting(hyper_connection, "POSTED_MAX_TOKENS", limit)
+
+
+def weight_prefetch(enabled: bool):
+    """While entered, ``dsv4::linears`` / ``dsv4::grouped_linear`` launch with PDL and their weight
+    prefetch (``ops.kernels.linear.WEIGHT_PREFETCH``) or without."""
+    from ..ops.kernels import linear
+
+    return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)

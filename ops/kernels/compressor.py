@@ -43,7 +43,7 @@ import triton.language as tl
 
 from ...reference.compressor import window_slots
 from .host import INTERPRET, has_pdl, unit_stride
-from .primitives import hadamard_pm1, softmax_rescale, to_bf16
+from .primitives import dependent_launch, hadamard_pm1, softmax_rescale, to_bf16
 
 _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills above
 
@@ -93,9 +93,7 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
                  S: tl.constexpr, SB: tl.constexpr, CB: tl.constexpr, G: tl.constexpr, PDL: tl.constexpr):
     """Pooled fp32 channels ``[CB]`` (block ``program_id(1)``) of the windows ending on rows
     ``program_id(0) * G + [0, G)``, into ``pooled [T, d]``."""
-    if PDL:  # launched as a dependent: inputs are final past the wait; the entry kernel may launch after it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    dependent_launch(PDL)  # inputs are final past the wait; the entry kernel may launch after it
     cols = tl.program_id(1) * CB + tl.arange(0, CB)
     rows = tl.program_id(0) * G + tl.arange(0, G)
     live = rows < num_rows

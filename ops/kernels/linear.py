@@ -15,6 +15,14 @@ The grouped kernel runs the same K loop (:func:`_rows_product`) with group ``g``
 against rows ``[g N, (g + 1) N)`` of the weight, the groups' column tiles in one grid: in place of
 cuBLAS's batched split-K GEMV and its reduction kernel.
 
+Programmatic dependent launch (sm_90+, ``PDL``): a decode step's projections read weights that no
+earlier kernel writes, so each program first asks the L2 for the leading bytes of its weight rows
+(:data:`PREFETCH_BYTES`), then waits for the kernel before it (whose output, x, it reads) and lets
+the kernel after it launch. Launched while its predecessor still runs, the projection's first
+DRAM round trips overlap that kernel instead of following it. The predecessor must trigger its
+dependents early (an Inductor kernel does under ``triton.enable_pdl``); otherwise the launch
+waits for its end, as without PDL.
+
 Numerics: fp32 accumulation, one rounding to the output dtype, as cuBLAS; only the order of the
 K sums differs.
 """
@@ -25,7 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import DOT_MIN_ROWS, TileConfig
+from .host import has_pdl
+from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
 
 MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
 MAX_WEIGHTS = 8
@@ -44,6 +53,11 @@ WIDE_CONFIG = (64, 128, 4, 4)
 # The grouped o_a_proj (8 groups of 1024 x 4096): 18.6 µs at one row and 19.1 at eight against
 # 20.4 / 21.2 with DEEP_K_CONFIG (bench_ops.py --only linears).
 GROUPED_CONFIG = (32, 256, 4, 4)
+# Weight bytes per program requested into the L2 before the PDL wait (its first K columns; 256
+# KiB of L2 per SM at most in flight across a one-wave grid); False: launched without PDL.
+PREFETCH_BYTES = 32768
+WEIGHT_PREFETCH = True
+_LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each
 
 
 def default_config(k: int, rows: int = 0) -> TileConfig:
@@ -59,12 +73,26 @@ def _aligned(w: torch.Tensor) -> torch.Tensor:
     return w if w.is_contiguous() and w.data_ptr() % 16 == 0 else w.clone(memory_format=torch.contiguous_format)
 
 
+def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -> int:
+    """Leading K columns of its weight rows a program prefetches under PDL (0: no PDL launch)."""
+    if not (WEIGHT_PREFETCH and has_pdl(device)):
+        return 0
+    return max(_LINE.value, min(triton.next_power_of_2(k), PREFETCH_BYTES // (block_n * itemsize)))
+
+
 @triton.jit
-def _rows_product(x_ptr, stride_x, M, K, w_rows, row_ok, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _rows_product(x_ptr, stride_x, M, K, w_rows, row_ok, w_first, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
     """``x [M, K] @ w_rows.T`` as an fp32 ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the
     pointers to the program's weight rows (``row_ok`` masks those past the weight), streamed along
-    K once; x (unit stride along K, ``stride_x`` between rows) is padded to ``M_PAD`` rows."""
+    K once; x (unit stride along K, ``stride_x`` between rows) is padded to ``M_PAD`` rows.
+    ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns are
+    requested into the L2 (masked lanes ask for ``w_first``, the weight's first element), then the
+    program waits for its predecessor and triggers its dependents."""
+    if PREFETCH_K > 0:
+        lines = tl.arange(0, PREFETCH_K // _LINE) * _LINE
+        prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
+    dependent_launch(PREFETCH_K > 0)
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -91,7 +119,8 @@ def _owner(pid, w, o, n, first, cur_w, cur_o, cur_n, cur_first):
 def _linears_kernel(x_ptr, M, K, stride_x,
                     w0, o0, n0, t0, w1, o1, n1, t1, w2, o2, n2, t2, w3, o3, n3, t3,
                     w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7,
-                    G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PREFETCH_K: tl.constexpr):
     """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns programs ``[t_g, t_{g+1})``:
     ``o_g[:, tile] = x @ w_g[tile].T``."""
     pid = tl.program_id(0)
@@ -117,8 +146,8 @@ def _linears_kernel(x_ptr, M, K, stride_x,
     out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
-    acc = _rows_product(x_ptr, stride_x, M, K, w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, M_PAD, BLOCK_N,
-                         BLOCK_K)
+    acc = _rows_product(x_ptr, stride_x, M, K, w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, M_PAD,
+                         BLOCK_N, BLOCK_K, PREFETCH_K)
     m = tl.arange(0, M_PAD)
     tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=(m < M)[:, None] & row_ok[None, :])
 
@@ -145,15 +174,17 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     args = []
     for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
         args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, firsts[-1]]
+    prefetch_k = _pdl_prefetch_k(k, block_n, x.element_size(), x.device)
     _linears_kernel[(firsts[-1],)](x, m, k, x.stride(0), *args, G=len(weights),
-                                   M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
-                                   num_warps=warps, num_stages=stages)
+                                   M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
+                                   num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
     return outs
 
 
 @triton.jit
 def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_xg, tiles,
-                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                           M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PREFETCH_K: tl.constexpr):
     """Group ``g = pid // tiles``, its column tile ``pid % tiles``: ``out[:, g, tile] =
     x[:, g, :] @ w[g N + tile].T`` (``out [M, G, N]`` contiguous, ``w [G N, K]``)."""
     pid = tl.program_id(0)
@@ -161,7 +192,8 @@ def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, w_rows, row_ok, M_PAD, BLOCK_N, BLOCK_K)
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, w_rows, row_ok, w_ptr, M_PAD, BLOCK_N, BLOCK_K,
+                        PREFETCH_K)
     m = tl.arange(0, M_PAD)
     out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
     tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])
@@ -185,7 +217,8 @@ def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig |
         return out.zero_()
     block_n, block_k, warps, stages = config or GROUPED_CONFIG
     tiles = triton.cdiv(n, block_n)
+    prefetch_k = _pdl_prefetch_k(k, block_n, x.element_size(), x.device)
     _grouped_linear_kernel[(groups * tiles,)](x, w, out, m, groups, k, n, x.stride(0), x.stride(1), tiles, M_PAD=MAX_ROWS,
-                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                              num_stages=stages)
+                                              BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
+                                              num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
     return out

@@ -37,6 +37,26 @@ assert layout.TOKEN_DATA_BYTES == NOPE_DIM + 2 * ROPE_DIM and ROPE_DIM == layout
 assert HEAD_DIM == NOPE_DIM + ROPE_DIM
 
 
+# -- memory hints ------------------------------------------------------------------------------
+@triton.jit
+def prefetch_l2(ptrs, mask, fallback):
+    """Ask the L2 for the 128-byte line holding each of ``ptrs`` (a hint: nothing is loaded into
+    registers; pass one pointer per line). Lanes off ``mask`` ask for ``fallback`` (an address
+    inside the buffer) instead, so no request leaves the buffer."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [tl.where(mask, ptrs, fallback)],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def dependent_launch(PDL: tl.constexpr):
+    """For a kernel launched with programmatic dependent launch (``PDL``): wait until the kernel
+    before it has finished and its writes are visible, then let the kernel after it launch (which
+    waits likewise before it reads). Its launch and set-up then overlap the kernel before."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
 # -- fp8 / bf16 bits, Hadamard -----------------------------------------------------------------
 @triton.jit
 def ceil_log2(x):

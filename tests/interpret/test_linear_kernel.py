@@ -95,3 +95,22 @@ def test_grouped_op_on_device(device, m):
     x = torch.randn(m, 4, 64, device=device).to(DTYPES[-1])
     w = torch.randn(4 * 24, 64, device=device).to(DTYPES[-1])
     _close(torch.ops.dsv4.grouped_linear(x, w), torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(4, 24, 64)))
+
+
+def test_weight_prefetch_changes_no_value(device):
+    """With PDL and the L2 prefetch (sm_90+ only; never under the interpreter) or without, both
+    kernels give the same bits, for weights shorter and longer than the prefetched columns."""
+    from dsv4_compile.testing.bench import weight_prefetch
+
+    x = torch.randn(3, 4 * 1024 + 40, device=device).to(DTYPES[-1])
+    weights = [torch.randn(rows, x.shape[1], device=device).to(x.dtype) for rows in (40, 1000)]
+    xg = torch.randn(3, 2, 200, device=device).to(x.dtype)
+    wg = torch.randn(2 * 48, 200, device=device).to(x.dtype)
+    with weight_prefetch(False):
+        assert kernels._pdl_prefetch_k(x.shape[1], 32, 2, x.device) == 0
+        plain = [*kernels.launch_linears(x, weights), kernels.launch_grouped_linear(xg, wg)]
+    on_sm90 = x.is_cuda and torch.cuda.get_device_capability(x.device)[0] >= 9
+    assert (kernels._pdl_prefetch_k(x.shape[1], 32, 2, x.device) > 0) == on_sm90
+    prefetched = [*kernels.launch_linears(x, weights), kernels.launch_grouped_linear(xg, wg)]
+    for got, want in zip(prefetched, plain):
+        assert torch.equal(got, want)
