@@ -50,11 +50,11 @@ _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
-# hc_post_pre makes the new streams inside the projection up to this many tokens. On the H200 in the
-# 4-layer model step (9 hyper-connections, 8 of them after a block): at 1 token the projection took
-# 35.3 µs against 29.2 + 14.1 for it and hc_post apart; at 8 tokens 89.0 against 52.4 + 15.2 (each
-# program then gathers the four old streams of eight tokens per K block), so there hc_post runs first.
-POSTED_MAX_TOKENS = 1
+# hc_post_pre makes the new streams inside the projection up to this many tokens. On the H200, one
+# Flash-width op (bench_hyper_connection.py), µs in the projection against hc_post then hc_pre:
+# 8.9 / 9.7 at 1 token, 9.0 / 10.7 at 2, 10.8 / 11.1 at 3, 10.7 / 11.1 at 4, 14.5 / 11.4 at 6 and
+# 14.7 / 11.6 at 8 (each program then gathers the four old streams of several tokens per K block).
+POSTED_MAX_TOKENS = 4
 
 
 @triton.jit
