@@ -49,6 +49,9 @@ Ways (the same model and weights):
     compiled_step_graphs_no_prefetch  whole-step graphs with the projections (``dsv4::linears``,
                    ``dsv4::grouped_linear``) launched without PDL and their weight prefetch; not in
                    the default ``--ways``
+    compiled_step_graphs_all_lone_linears  whole-step graphs with every lone product (``q_b_proj``
+                   and the shared expert's ``down_proj`` too, K of 1024 / 2048) through
+                   ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -107,21 +110,22 @@ def _without(kind: type) -> Callable[[], list]:
     return lambda: [p for p in default_passes() if not isinstance(p, kind)]
 
 
-def _no_lone_linears() -> list:
-    """The default passes, lone products left to cuBLAS."""
-    return [FuseSharedInputLinearsPass(lone_min_k=None) if isinstance(p, FuseSharedInputLinearsPass) else p
-            for p in default_passes()]
+def _lone_linears(min_k: int | None) -> Callable[[], list]:
+    """The default passes, products with no other of their input through ``dsv4::linears`` from
+    K = ``min_k`` on (None: all of them left to cuBLAS)."""
+    return lambda: [FuseSharedInputLinearsPass(lone_min_k=min_k) if isinstance(p, FuseSharedInputLinearsPass) else p
+                    for p in default_passes()]
 
 
 # compiled with the default passes less one, or one of them configured otherwise
 PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass),
-                 "compiled_lone_linears_cublas": _no_lone_linears,
+                 "compiled_lone_linears_cublas": _lone_linears(None),
                  "compiled_unfused_grouped_linear": _without(FuseGroupedLinearPass),
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
-        "compiled_step_graphs_no_prefetch")
+        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -519,6 +523,10 @@ def run(args) -> dict:
         with posted_max_tokens(0):  # each step's graph captures hc_post, then hc_pre
             measure_backend(backend, "compiled_step_graphs_hc_post_apart",
                             compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
+    if "compiled_step_graphs_all_lone_linears" in args.ways:
+        measure_backend(backend, "compiled_step_graphs_all_lone_linears",
+                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
+                                     passes=DSV4PassManager(_lone_linears(1)())), args, results)
     if "compiled_step_graphs_no_prefetch" in args.ways:
         with weight_prefetch(False):
             measure_backend(backend, "compiled_step_graphs_no_prefetch",
