@@ -44,8 +44,8 @@ Ways (the same model and weights):
     compiled_step_graphs_pdl  the same with Inductor's kernels under programmatic dependent launch
                    (``triton.enable_pdl``); not in the default ``--ways``
     compiled_step_graphs_hc_post_apart  whole-step graphs with every ``dsv4::hc_post_pre`` run as
-                   ``hc_post`` then ``hc_pre`` (3 launches, as above one token), for a side-by-side
-                   with ``compiled_step_graphs`` at one token; not in the default ``--ways``
+                   ``hc_post`` then ``hc_pre`` (3 launches, as above four tokens), for a side-by-side
+                   with ``compiled_step_graphs`` at one to four tokens; not in the default ``--ways``
     compiled_step_graphs_no_prefetch  whole-step graphs with the projections (``dsv4::linears``,
                    ``dsv4::grouped_linear``) launched without PDL and their weight prefetch; not in
                    the default ``--ways``

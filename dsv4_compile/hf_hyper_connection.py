@@ -5,7 +5,7 @@ own parameters (``fn``, ``base``, ``scale``) and settings, the decoder layer's m
 ``dsv4::hc_post`` (with the next hyper-connection, as ``dsv4::hc_post_pre``) and the model's
 ``DeepseekV4HyperHead`` as ``dsv4::hc_head``: the same formulas,
 op for op on the CPU (where the ops run their reference, bit for bit the module's result), two,
-one, two (three above one token) and two kernels on CUDA where Inductor makes about ten of the
+one, two (three above four tokens) and two kernels on CUDA where Inductor makes about ten of the
 module's code. A module whose
 class overrides ``forward``, or whose parameters are not plain tensors (DTensor shards, a
 quantiser's tensors), is called as it is.

@@ -53,8 +53,8 @@ WIDE_CONFIG = (64, 128, 4, 4)
 # The grouped o_a_proj (8 groups of 1024 x 4096): 18.6 µs at one row and 19.1 at eight against
 # 20.4 / 21.2 with DEEP_K_CONFIG (bench_ops.py --only linears).
 GROUPED_CONFIG = (32, 256, 4, 4)
-# Weight bytes per program requested into the L2 before the PDL wait (its first K columns; 256
-# KiB of L2 per SM at most in flight across a one-wave grid); False: launched without PDL.
+# Weight bytes per program requested into the L2 before the PDL wait (its rows' first K columns).
+# WEIGHT_PREFETCH False: launched without PDL or prefetch (benchmarks compare the two).
 PREFETCH_BYTES = 32768
 WEIGHT_PREFETCH = True
 _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each

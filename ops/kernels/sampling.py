@@ -23,15 +23,19 @@ import triton.language as tl
 _BLOCK = 4096
 
 
+# a column past every real one (vocabularies are below 2**31)
+_NO_COL = tl.constexpr(2147483647)
+
+
 @triton.jit
-def _first_max(values, cols, big: tl.constexpr):
+def _first_max(values, cols):
     """``(maximum, first col holding it)`` of ``values`` (fp32, with their ``cols``); a NaN is the
-    maximum (the first NaN's col, value NaN). ``big``: a col past every real one."""
+    maximum (the first NaN's col, value NaN). Padding lanes hold -inf at cols past the real ones."""
     is_nan = values != values
     has_nan = tl.max(is_nan.to(tl.int32), axis=0) > 0
     best = tl.max(tl.where(is_nan, float("-inf"), values), axis=0)
     hit = tl.where(has_nan, is_nan, values == best)
-    col = tl.min(tl.where(hit, cols, big), axis=0)
+    col = tl.min(tl.where(hit, cols, _NO_COL), axis=0)
     return tl.where(has_nan, float("nan"), best), col
 
 
@@ -40,9 +44,8 @@ def _chunk_argmax_kernel(logits_ptr, max_ptr, col_ptr, V, stride, CHUNKS, BLOCK:
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     cols = c * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < V
-    values = tl.load(logits_ptr + r * stride + cols, mask=ok, other=float("-inf")).to(tl.float32)
-    best, col = _first_max(tl.where(ok, values, float("-inf")), tl.where(ok, cols, V), 2147483647)
+    values = tl.load(logits_ptr + r * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
+    best, col = _first_max(values, cols)
     tl.store(max_ptr + r * CHUNKS + c, best)
     tl.store(col_ptr + r * CHUNKS + c, col)
 
@@ -53,8 +56,8 @@ def _pick_kernel(max_ptr, col_ptr, out_ptr, CHUNKS, CP: tl.constexpr):
     c = tl.arange(0, CP)
     ok = c < CHUNKS
     best = tl.load(max_ptr + r * CHUNKS + c, mask=ok, other=float("-inf"))
-    cols = tl.load(col_ptr + r * CHUNKS + c, mask=ok, other=2147483647)
-    _, col = _first_max(best, tl.where(ok, cols, 2147483647), 2147483647)
+    cols = tl.load(col_ptr + r * CHUNKS + c, mask=ok, other=_NO_COL)
+    _, col = _first_max(best, cols)
     tl.store(out_ptr + r, col.to(tl.int64))
 
 
