@@ -24,8 +24,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import json
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -129,7 +131,10 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the ``top`` kernels by
     time (``None``: all), each ``{"name", "us_per_step", "critical_us_per_step", "calls_per_step"}``,
     where ``critical`` is the time from the end of whatever ran before the kernel to its own end,
-    the part of the step's active time the kernel adds (a PDL wait is not in it).
+    the part of the step's active time the kernel adds (a PDL wait is not in it); ``timeline``: the
+    last step's kernels in launch order, each ``{"name", "grid", "start_us", "us", "critical_us"}``
+    (start from the step's first kernel; grid as the profiler's trace records it), which tells
+    apart the launches of one kernel (a projection's weight by its grid).
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,6 +144,7 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
         run_steps(steps)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
+    timeline = _last_step_timeline(prof, steps)
     kernels: dict[str, list[float]] = {}
     critical: dict[str, float] = {}
     spans: list[tuple[float, float, str]] = []
@@ -166,7 +172,26 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
             "kernels": sum(len(t) for t in kernels.values()) / steps, "memcpy_us": memcpy_us / steps,
             "top": [{"name": name[:120], "us_per_step": sum(t) / steps, "critical_us_per_step": critical[name] / steps,
                      "calls_per_step": len(t) / steps}
-                    for name, t in ranked]}
+                    for name, t in ranked],
+            "timeline": timeline}
+
+
+def _last_step_timeline(prof, steps: int) -> list[dict[str, Any]]:
+    """The kernels of the last of ``steps`` profiled steps (every step launches the same number),
+    in order, from the profiler's Chrome trace: the only export that keeps each launch's grid."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(path))
+        events = json.loads(path.read_text())["traceEvents"]
+    launches = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    last = launches[len(launches) - len(launches) // steps:] if steps else []
+    out, reached = [], last[0]["ts"] if last else 0.0
+    for e in last:
+        end = e["ts"] + e["dur"]
+        out.append({"name": e["name"][:120], "grid": e.get("args", {}).get("grid"), "start_us": e["ts"] - last[0]["ts"],
+                    "us": e["dur"], "critical_us": max(0.0, end - max(e["ts"], reached))})
+        reached = max(reached, end)
+    return out
 
 
 def sparse_attn_flops(inp: AttnInputs) -> float:

@@ -25,9 +25,13 @@ Everything is decided per row on the device:
   spread over ``S2`` programs for the two full passes.
 * Rows of at most ``_ROW_SELECT_MAX_CAPACITY`` entries (the page table's width; 8k tokens of
   context at ratio 4): ``_row_select_kernel`` (grid ``[T]``) keeps the row's keys in registers
-  and runs the four radix levels of step 3 on all of them (no bucket pass, no candidate list),
-  then emits the selected slots with one ``cumsum``: one launch and one read of the row, where
-  the split passes pay three dependent launches and several memory round trips.
+  and finds the K-th largest with four 8-bit histogram passes over all of them (no bucket pass,
+  no candidate list), then emits the selected slots with one ``cumsum``: one launch and one read
+  of the row, where the split passes pay three dependent launches and several memory round
+  trips. Its passes are a loop, not unrolled: in a model step the kernel runs once per CSA layer
+  with its instructions out of cache, and on the H200 the unrolled passes (8.5k PTX lines at
+  4 warps) took 19.5 µs a call there against 11.3 standalone; looped (3.3k lines at 8 warps),
+  10.1 against 10.8 (``benchmarks/bench_model.py --profile``, b = 1, 1,056 entries, K = 512).
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -51,6 +55,12 @@ _MAX_SELECT_SPLITS = 64
 # 49.6; 4096 entries 17.8 / 29.7 / 71.9 against 19.4 / 23.3 / 79.9 (its four full-row histograms
 # cost more than the split passes' one once the row is long).
 _ROW_SELECT_MAX_CAPACITY = 2048
+_DIGIT_BITS = 8  # threshold bits a histogram pass of the one-program select finds (4 passes)
+
+
+def _row_select_warps(cap: int) -> int:
+    """Warps of the one-program select of rows of ``cap`` (a power of two) logits."""
+    return min(16, max(4, cap // 256))
 
 
 @triton.jit
@@ -285,13 +295,42 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
 
 
 @triton.jit
+def _unsigned_key(x):
+    """uint32 key with the order of the fp32 values (for finite values and ±inf): negative floats
+    have every bit flipped, the others the sign bit."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) | (-2147483647 - 1))).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _kth_largest(key, match, k, DIGIT_BITS: tl.constexpr):
+    """The ``k``-th largest of the ``match``-ing uint32 keys (``1 <= k <=`` their count), found from
+    its top bits down, ``DIGIT_BITS`` a pass: a pass histograms the next digit of the keys that share
+    the bits found so far and keeps the digit of the bin holding the ``k``-th largest. The passes are
+    a loop, not unrolled: a kernel that runs once a layer finds its instructions out of cache, and
+    the unrolled four passes took twice their standalone time inside a model step."""
+    NB: tl.constexpr = 1 << DIGIT_BITS
+    prefix = tl.zeros([], dtype=tl.uint32)
+    shift = tl.full([], 32 - DIGIT_BITS, tl.uint32)
+    for _ in range(0, 32 // DIGIT_BITS):
+        digit = (key - prefix) >> shift  # wraps below the prefix: masked out
+        inside = match & (key >= prefix) & (digit < NB)
+        bin_from_top = tl.where(inside, NB - 1 - digit.to(tl.int32), 0)
+        i, skipped = _threshold_bin(tl.histogram(bin_from_top, NB, mask=inside), k, NB)
+        k -= skipped
+        prefix += (NB - 1 - i).to(tl.uint32) << shift
+        shift -= DIGIT_BITS
+    return prefix
+
+
+@triton.jit
 def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, num_pages, topk, stride_workspace,
-                       stride_pt, stride_out, NB: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr,
-                       PAGE: tl.constexpr, PDL: tl.constexpr):
+                       stride_pt, stride_out, CAP: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
+                       DIGIT_BITS: tl.constexpr, PDL: tl.constexpr):
     """A whole row's select in one program (grid ``[T]``), for rows of at most ``CAP`` logits:
-    the row's keys stay in registers through the four radix levels and the final emit, so the
-    only memory round trips are one load of the row, the page-table reads of the selected
-    entries and their stores."""
+    the row's keys stay in registers while :func:`_kth_largest` finds the K-th largest, then one
+    ``cumsum`` places the selected slots, so the only memory round trips are one load of the row,
+    the page-table reads of the selected entries and their stores."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
@@ -300,12 +339,10 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
     if n > topk:
         j = tl.arange(0, CAP)
         visible = j < n
-        key = _ordered_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
-        need = topk
-        prefix = 0
-        for level in tl.static_range(4):
-            need, prefix = _narrow(_digit_hist(key, visible, prefix, level, NB), need, prefix, level, NB)
-        take, _ = _take(key, visible, prefix, need, 0)
+        key = _unsigned_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
+        threshold = _kth_largest(key, visible, topk, DIGIT_BITS)
+        need = topk - tl.sum((visible & (key > threshold)).to(tl.int32), axis=0)
+        take, _ = _take(key, visible, threshold, need, 0)
         tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
         filled = topk
     _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
@@ -336,9 +373,9 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
     if capacity <= _ROW_SELECT_MAX_CAPACITY:
         cap = triton.next_power_of_2(capacity)
         _row_select_kernel[(rows,)](workspace, visible, page_table, out, row0, capacity, num_pages, topk,
-                                    workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB, CAP=cap,
-                                    BLOCK=_BLOCK, PAGE=page, PDL=pdl, num_warps=min(16, max(4, cap // 512)),
-                                    launch_pdl=pdl)
+                                    workspace.stride(0), page_table.stride(0), out.stride(0), CAP=cap,
+                                    BLOCK=_BLOCK, PAGE=page, DIGIT_BITS=_DIGIT_BITS, PDL=pdl,
+                                    num_warps=_row_select_warps(cap), launch_pdl=pdl)
         return
     num_splits = minmax.shape[1]
     s_p2 = triton.next_power_of_2(num_splits)
