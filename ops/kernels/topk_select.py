@@ -310,6 +310,7 @@ def _kth_largest(key, match, k, DIGIT_BITS: tl.constexpr):
     a loop, not unrolled: a kernel that runs once a layer finds its instructions out of cache, and
     the unrolled four passes took twice their standalone time inside a model step."""
     NB: tl.constexpr = 1 << DIGIT_BITS
+    k = tl.zeros([], dtype=tl.int32) + k  # a tensor even when Triton passes k = 1 as a constant
     prefix = tl.zeros([], dtype=tl.uint32)
     shift = tl.full([], 32 - DIGIT_BITS, tl.uint32)
     for _ in range(0, 32 // DIGIT_BITS):
