@@ -182,7 +182,8 @@ def _ordered_slots(logits: torch.Tensor, page_table: torch.Tensor, n: int, topk:
        signed_zeros=st.booleans(), path=st.sampled_from(["row", "split"]), seed=st.integers(0, 2 ** 16))
 def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros, path, seed):
     """``launch_topk_select`` on a given logits workspace, each select path: the K largest of each
-    row's visible prefix, ties by index, -0.0 below +0.0, as slots of the row's pages in index order."""
+    row's visible prefix (ties by index, -0.0 below +0.0) as slots of the row's pages, -1 padded;
+    in index order on the one-program path, as a set on the split path."""
     gen = torch.Generator().manual_seed(seed)
     rows, capacity = len(visible), pages * layout.INDEX_PAGE_SIZE
     logits = (torch.randint(0, levels, (rows, capacity), generator=gen) - levels // 2).float() / 3
