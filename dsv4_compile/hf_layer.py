@@ -26,8 +26,9 @@ class HFCompressor:
         self.module, self.d, self.ratio, self.rotate, self.eps = module, d, ratio, rotate, eps
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv, score)`` fp32 ``[T, coff * d]`` of ``x [T, hidden]``: the module's own projections."""
-        return self.module.kv_proj(x).float(), self.module.gate_proj(x).float()
+        """``(kv, score)`` ``[T, coff * d]`` of ``x [T, hidden]``: the module's own projections, in their
+        output dtype (``compress_kv`` widens them to fp32)."""
+        return self.module.kv_proj(x), self.module.gate_proj(x)
 
     @property
     def ape(self) -> torch.Tensor:
@@ -49,9 +50,10 @@ class HFIndexer:
         self.compressor = HFCompressor(module, INDEX_HEAD_DIM, 4, rotate=True, eps=config.rms_norm_eps)
 
     def project_q(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` fp32 (before scaling)."""
+        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` (before scaling), in
+        the projections' output dtype (``indexer_prepare_q`` widens them)."""
         q = self.module.q_b_proj(q_lora).view(x.shape[0], self.n_heads, INDEX_HEAD_DIM)
-        return q, self.module.scorer.weights_proj(x).float()
+        return q, self.module.scorer.weights_proj(x)
 
 
 class HFAttention(nn.Module):

@@ -60,13 +60,14 @@ class Compressor(nn.Module):
             self.norm.copy_(1 + 0.1 * torch.randn(self.norm.shape, generator=gen))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(kv, score)`` fp32 ``[T, coff * d]`` of hidden states ``x [T, hidden]`` (no ape): GEMMs
-        in the weights' dtype (fp32 accumulation), widened to fp32 (docs/semantics.md §4.2)."""
+        """``(kv, score)`` ``[T, coff * d]`` of hidden states ``x [T, hidden]`` (no ape): GEMMs in the
+        weights' dtype (fp32 accumulation), rounded to it; ``compress_kv`` widens them to fp32
+        (docs/semantics.md §4.2)."""
         # The weights are read as stored: an fp32 GEMM would convert them to fp32 on every step, and
         # torch.mm's out_dtype=fp32 (no rounding of the product) has no CPU kernel, so the CPU and
         # CUDA graphs would differ. Rounding kv / score to bf16 is what transformers' compressor
         # does; it moves an entry by about one bf16 ulp, far below its FP8 quantisation in the cache.
-        return F.linear(x, self.wkv).float(), F.linear(x, self.wgate).float()
+        return F.linear(x, self.wkv), F.linear(x, self.wgate)
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor, ring: int,
                 inv_freq: torch.Tensor) -> torch.Tensor:
@@ -101,9 +102,10 @@ class Indexer(nn.Module):
         self.compressor.reset_parameters(gen)
 
     def project_q(self, x: torch.Tensor, q_lora: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]`` fp32."""
+        """Raw indexer queries ``[T, H_i, 128]`` and head weights ``[T, H_i]``, in the weights'
+        dtype (``indexer_prepare_q`` widens them)."""
         q = F.linear(q_lora, self.wq_b).view(x.shape[0], self.n_heads, INDEX_HEAD_DIM)
-        return q, F.linear(x, self.weights_proj).float()
+        return q, F.linear(x, self.weights_proj)
 
 
 class DSV4Attention(nn.Module):

@@ -34,7 +34,7 @@ def dense_compress(comp: Compressor, x: torch.Tensor, inv_freq: torch.Tensor) ->
     """Every complete window of ``x [L, hidden]``: ``[L // r, d]`` bf16 (docs/semantics.md §4.2)."""
     r, d = comp.ratio, comp.d
     n = x.shape[0] // r
-    kv, score = comp.project(x[: n * r])
+    kv, score = (t.float() for t in comp.project(x[: n * r]))
     score = score + comp.ape.repeat(n, 1)
     kv, score = kv.view(n, r, kv.shape[1]), score.view(n, r, kv.shape[1])  # [n, r, Wc]
     if r == 4:  # previous window's overlap half, then this window's own half

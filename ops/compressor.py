@@ -23,6 +23,8 @@ if HAS_TRITON:
     from .kernels import compressor as kernels
 
 _F32 = (torch.float32,)
+# kv / score straight from their projections, or already widened
+_PROJECTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _check_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
@@ -35,8 +37,8 @@ def _check_compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, exten
     d = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
     check_tensor(op, "norm_weight", norm_weight, ndim=1)
     wc = d * (2 if ratio == 4 else 1)
-    check_tensor(op, "kv", kv, dtypes=_F32, ndim=2, shape=(None, wc))
-    check_tensor(op, "score", score, dtypes=_F32, ndim=2, shape=(None, wc))
+    check_tensor(op, "kv", kv, dtypes=_PROJECTION_DTYPES, ndim=2, shape=(None, wc))
+    check_tensor(op, "score", score, dtypes=_PROJECTION_DTYPES, ndim=2, shape=(None, wc))
     check_tensor(op, "ape", ape, dtypes=_F32, ndim=2, shape=(ratio, wc))
     check_tensor(op, "state", state, dtypes=_F32, ndim=2, shape=(None, 2 * wc))
     check_tensor(op, "inv_freq", inv_freq, dtypes=_F32, ndim=1)
@@ -62,7 +64,8 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
                 extend_end: torch.Tensor, norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int,
                 ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """One potential compressed entry per row, ``[T, d] bf16`` (meaningful where the row
-    completes a window); writes this step's projections into ``state [R * ring, 2 Wc] fp32``
+    completes a window), of ``kv`` / ``score`` ``[T, Wc]`` (fp32, or bf16 / fp16 widened exactly to
+    fp32); writes this step's projections into ``state [R * ring, 2 Wc] fp32``
     (no ring row for request rows outside ``[0, R)``)."""
     return ref.compress_kv(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end,
                            norm_weight, inv_freq, ratio, ring, rotate, eps)

@@ -250,7 +250,7 @@ OP_CASES = [
     _op_case("store_index_k", "k", lambda t: t[:, :64], ValueError, "width"),
     _op_case("store_index_k", "slots", _drop_row, ValueError, "rows"),
     _op_case("store_index_k", "k", _on_meta, ValueError, "device"),
-    _op_case("compress_kv", "kv", _dtype(BF16), TypeError, "dtype"),
+    _op_case("compress_kv", "kv", _dtype(I64), TypeError, "dtype"),
     _op_case("compress_kv", "state", _flat, ValueError, "rank"),
     _op_case("compress_kv", "req_of_row", _drop_row, ValueError, "rows"),
     _op_case("compress_kv", "ratio", _value(3), ValueError, "value"),

@@ -45,10 +45,12 @@ def compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tensor, ape:
                 ratio: int, ring: int, rotate: bool, eps: float) -> torch.Tensor:
     """Pool, normalise, rotate one potential entry per row; update the state ring in place.
 
-    state: [R * ring, 2 Wc] fp32 (mutated); kv, score: [T, Wc] fp32; ape: [r, Wc] fp32;
+    state: [R * ring, 2 Wc] fp32 (mutated); kv, score: [T, Wc] fp32, bf16 or fp16 (widened to fp32:
+    pooling and the ring are fp32); ape: [r, Wc] fp32;
     req_of_row, seq_lens_causal, extend_start, extend_end: [T] int32 (see metadata.expand_queries);
     norm_weight: [d]; inv_freq: [32] fp32. Returns ``[T, d]`` bf16.
     """
+    kv, score = kv.float(), score.float()
     num_rows, wc = kv.shape
     d = norm_weight.shape[0]
     slots = window_slots(ratio)

@@ -209,13 +209,14 @@ def sparse_attn_bytes(inp: AttnInputs) -> float:
 
 
 def compress_kv_bytes(args: dict[str, Any]) -> int:
-    """HBM traffic of ``dsv4::compress_kv(**args)``: per row, kv + score read (2 x 4 Wc B), the
-    ring written (8 Wc B) and the entry (2 d B); each window-completing row also reads its ring
-    slots (S x 2 x 4 d B at most)."""
+    """HBM traffic of ``dsv4::compress_kv(**args)``: per row, kv + score read (2 x Wc elements of
+    their dtype), the ring written (8 Wc B) and the entry (2 d B); each window-completing row also
+    reads its ring slots (S x 2 x 4 d B at most)."""
     ratio, d = args["ratio"], args["norm_weight"].shape[0]
     rows, wc = args["kv"].shape
     windows = int((args["seq_lens_causal"] % ratio == 0).sum())
-    return rows * (16 * wc + 2 * d + 16) + windows * window_slots(ratio) * 8 * d
+    read = 2 * args["kv"].element_size() * wc
+    return rows * (read + 8 * wc + 2 * d + 16) + windows * window_slots(ratio) * 8 * d
 
 
 def header(device: str, args: argparse.Namespace) -> dict[str, Any]:

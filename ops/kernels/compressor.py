@@ -49,6 +49,18 @@ _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills 
 
 
 @triton.jit
+def _step_or_ring(step_ptrs, ring_ptrs, in_step, live, other):
+    """fp32 values of a block of slots: this step's projection where ``in_step``, else the ring's;
+    ``other`` where not ``live``. One load per element when the step's projections are fp32 like
+    the ring; two masked loads (each element read once) when they are bf16 / fp16."""
+    if step_ptrs.dtype.element_ty == ring_ptrs.dtype.element_ty:
+        return tl.load(tl.where(in_step, step_ptrs, ring_ptrs), mask=live, other=other)
+    else:
+        step = tl.load(step_ptrs, mask=live & in_step, other=other).to(tl.float32)
+        return tl.where(in_step, step, tl.load(ring_ptrs, mask=live & ~in_step, other=other))
+
+
+@triton.jit
 def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_start, cols, num_rows, num_reqs,
                  stride_kv, stride_score, stride_ape, stride_state, D: tl.constexpr, WC: tl.constexpr,
                  RATIO: tl.constexpr, RING: tl.constexpr, S: tl.constexpr, SB: tl.constexpr):
@@ -72,13 +84,10 @@ def _pool_window(kv_ptr, score_ptr, ape_ptr, state_ptr, row, p, req, extend_star
         rrow = req.to(tl.int64) * RING + tt % RING
         live = (t >= 0) & tl.where(in_step, (brow >= 0) & (brow < num_rows), (req >= 0) & (req < num_reqs))
         step_m = in_step[:, None]
-        # one load per element for kv and for score: this step's row or the ring row
-        a = tl.load(tl.where(step_m, kv_ptr + brow[:, None] * stride_kv,
-                             state_ptr + rrow[:, None] * stride_state) + c,
-                    mask=live[:, None], other=0.0)
-        sc = tl.load(tl.where(step_m, score_ptr + brow[:, None] * stride_score,
-                              state_ptr + rrow[:, None] * stride_state + WC) + c,
-                     mask=live[:, None], other=float("-inf"))  # slots before position 0: weight 0
+        ring_row = state_ptr + rrow[:, None] * stride_state + c
+        a = _step_or_ring(kv_ptr + brow[:, None] * stride_kv + c, ring_row, step_m, live[:, None], 0.0)
+        sc = _step_or_ring(score_ptr + brow[:, None] * stride_score + c, ring_row + WC, step_m, live[:, None],
+                           float("-inf"))  # slots before position 0: weight 0
         sc += tl.load(ape_ptr + (tt % RATIO)[:, None] * stride_ape + c, mask=step_m, other=0.0)
         m, alpha, e = softmax_rescale(m, sc, 0, True)
         den = den * alpha + tl.sum(e, axis=0)
@@ -130,8 +139,8 @@ def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_p
     keep = keep & (p >= 0) & (req >= 0) & (req < num_reqs)
     # the ring row's loads go first (masked, not branched): they are in flight during the entry
     c = tl.arange(0, WC)
-    kv = tl.load(kv_ptr + r64 * stride_kv + c, mask=keep)
-    sc = tl.load(score_ptr + r64 * stride_score + c, mask=keep)
+    kv = tl.load(kv_ptr + r64 * stride_kv + c, mask=keep).to(tl.float32)
+    sc = tl.load(score_ptr + r64 * stride_score + c, mask=keep).to(tl.float32)
     sc += tl.load(ape_ptr + (p % RATIO) * stride_ape + c, mask=keep)
     if PDL:  # the pool has read the ring and written pooled past the wait (its inputs, loaded above, were final)
         tl.extra.cuda.gdc_wait()
@@ -214,7 +223,8 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
                        ratio: int, ring: int, rotate: bool, eps: float, *, pdl: bool | None = None) -> torch.Tensor:
     """Entries ``[T, d] bf16`` (zeros on rows completing no window); updates ``state`` in place.
 
-    state: [R * ring, 2 Wc] fp32 (last dim contiguous); kv, score: [T, Wc] fp32; ape: [r, Wc] fp32;
+    state: [R * ring, 2 Wc] fp32 (last dim contiguous); kv, score: [T, Wc] fp32, bf16 or fp16
+    (widened on load: a projection's own output needs no conversion kernel); ape: [r, Wc] fp32;
     req_of_row, seq_lens_causal, extend_start, extend_end: [T] int32/int64; norm_weight: [d];
     inv_freq: [32] fp32. Arguments are validated by the op (``ops/compressor.py::_check``).
 

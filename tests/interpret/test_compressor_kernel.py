@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from dsv4_compile.ops.kernels.compressor import launch_compress_kv
+from dsv4_compile.reference import compressor as ref_compressor
 from dsv4_compile.testing import compress_index as inputs
 
 # (ratio, d, rotate, scenario); c128's long prefill (> 128 rows) is left to the GPU test
@@ -65,3 +66,27 @@ def test_compress_kv_steps_carry_state(device, ratio, d):
             args["state"] = state
         state = inputs.check_compress_kv(launch_compress_kv, args)
 
+
+
+@pytest.mark.parametrize("ratio,d,scenario", [(4, 128, "verify"), (4, 512, "long_prefill"), (128, 512, "verify")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_compress_kv_reads_half_precision_projections(device, ratio, d, scenario, dtype):
+    """kv / score straight from a bf16 / fp16 projection give the ring (the dummy request 0's
+    excluded, as above) that the same values widened to fp32 give, to the bit, in the kernel and in
+    the reference: the ring is fp32 either way. So are the entries from bf16 (the model's dtype);
+    from fp16, the kernel compiles to other instructions, and on the H200 an entry may move by one
+    bf16 rounding (seen once: one row of the c4 prefill)."""
+    seq, ext, num_tokens = SCENARIOS[ratio][scenario]
+    gen = torch.Generator(device=device).manual_seed(7 * ratio + d)
+    args = inputs.compressor_args(ratio, d, seq, ext, gen, num_tokens=num_tokens, ring=16 if ratio == 4 else 128)
+    kv, score = args["kv"].to(dtype), args["score"].to(dtype)
+    ring = args["ring"]
+    for run in (launch_compress_kv, ref_compressor.compress_kv):
+        half = dict(args, kv=kv, score=score, state=args["state"].clone())
+        wide = dict(args, kv=kv.float(), score=score.float(), state=args["state"].clone())
+        got, want = run(**half).float(), run(**wide).float()
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want), run.__name__
+        else:
+            torch.testing.assert_close(got, want, atol=2 ** -8 * want.abs().max().item(), rtol=0)
+        assert torch.equal(half["state"][ring:], wide["state"][ring:]), run.__name__
