@@ -52,6 +52,9 @@ Ways (the same model and weights):
     compiled_step_graphs_all_lone_linears  whole-step graphs with every lone product (``q_b_proj``
                    and the shared expert's ``down_proj`` too, K of 1024 / 2048) through
                    ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``
+    compiled_step_graphs_router_topk  whole-step graphs with ``ReplaceShortTopkPass`` added to the
+                   default passes (the learned routers' ``aten.topk`` as ``dsv4::topk_indices``); not in
+                   the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -95,7 +98,7 @@ from transformers import DeepseekV4Config, DynamicCache
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
-                                    FuseSharedInputLinearsPass)
+                                    FuseSharedInputLinearsPass, ReplaceShortTopkPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -125,7 +128,8 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
-        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears")
+        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
+        "compiled_step_graphs_router_topk")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -527,6 +531,10 @@ def run(args) -> dict:
         measure_backend(backend, "compiled_step_graphs_all_lone_linears",
                         compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
                                      passes=DSV4PassManager(_lone_linears(1)())), args, results)
+    if "compiled_step_graphs_router_topk" in args.ways:
+        passes = DSV4PassManager([*default_passes(), ReplaceShortTopkPass()])
+        measure_backend(backend, "compiled_step_graphs_router_topk",
+                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step", passes=passes), args, results)
     if "compiled_step_graphs_no_prefetch" in args.ways:
         with weight_prefetch(False):
             measure_backend(backend, "compiled_step_graphs_no_prefetch",

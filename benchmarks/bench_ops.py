@@ -5,6 +5,7 @@ Usage:
     python benchmarks/bench_ops.py --batch 256 --capacity 1048576 --only metadata
     python benchmarks/bench_ops.py --only compressor indexer
     python benchmarks/bench_ops.py --only experts --batch 1 8 32 256
+    python benchmarks/bench_ops.py --only router_topk --batch 1 8 64
     python benchmarks/bench_ops.py --only indexer_logits --capacity 131072 1048576 --batch 256
     python benchmarks/bench_ops.py --cold-l2 --json /tmp/cold.json
     python benchmarks/bench_ops.py --only indexer_topk --select split --batch 1 8 --capacity 4096 8192
@@ -326,6 +327,26 @@ def experts_cases(args) -> list[Case]:
     return cases
 
 
+# (experts, per token): the benchmark model's router and the released models'
+ROUTER_SHAPES = ((8, 2), (256, 6))
+
+
+def router_topk_cases(args) -> list[Case]:
+    """``dsv4::topk_indices`` (one Triton program per token) against the learned router's
+    ``torch.topk(scores, k, sorted=False).indices``, for b tokens' fp32 scores over E experts.
+    Bytes: the scores read and the indices written."""
+    cases = []
+    for num_experts, topk in ROUTER_SHAPES:
+        for b in args.batch:
+            scores = torch.rand(b, num_experts, device=args.device)
+            cases.append(Case("router_topk", {"b": b, "experts": num_experts, "topk": topk}, family="experts",
+                              kernel=partial(torch.ops.dsv4.topk_indices, scores, topk),
+                              reference=partial(lambda s, k: torch.topk(s, k, dim=-1, sorted=False).indices,
+                                                scores, topk),
+                              bytes=b * (4 * num_experts + 8 * topk), notes="reference: aten topk"))
+    return cases
+
+
 # -- linear cases ------------------------------------------------------------------------------
 # (name, groups, output features per group, K): the Flash model's products that are not part of a
 # shared-input group; tiny on the CPU for --dry-run
@@ -373,7 +394,8 @@ def linear_cases(args) -> list[Case]:
 
 
 CASE_BUILDERS: list[Callable[[argparse.Namespace], list[Case]]] = [
-    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases, experts_cases, linear_cases]
+    kv_cache_cases, metadata_cases, compressor_cases, prepare_q_cases, topk_cases, experts_cases, router_topk_cases,
+    linear_cases]
 
 
 # -- driver ------------------------------------------------------------------------------------

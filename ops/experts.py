@@ -1,9 +1,14 @@
-"""The routed experts of a MoE layer: ``dsv4::routed_experts``.
+"""The routed experts of a MoE layer: ``dsv4::routed_experts``; and the choice of them,
+``dsv4::topk_indices``.
 
-The model does not call the op directly: ``dsv4_compile.hf_experts`` registers it with
+The model does not call ``routed_experts`` directly: ``dsv4_compile.hf_experts`` registers it with
 transformers as the experts implementation ``"dsv4"``, which ``enable`` sets. On CUDA the op
 runs two Triton launches for a decode step's few slots (``ops/kernels/experts.py``) and a
 grouped GEMM over the slots sorted by expert for more (prefill); on other devices, the reference.
+
+``topk_indices`` is the learned router's ``torch.topk(scores, k).indices`` over a layer's experts
+(256 in the released models) as one Triton program per row; a compiled step gets it from
+``ReplaceShortTopkPass`` (``fx_passes/replace_short_topk.py``) when that pass is in its list.
 
 Shape legend: T tokens, K experts per token, S = T * K slots, E experts, H hidden size,
 I expert intermediate size.
@@ -75,3 +80,36 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     ``gate_up [E, 2I, H]``, ``down [E, H, I]`` -> ``[T * K, H]`` (row ``t * K + k``: expert
     ``expert_ids[t, k]`` of token ``t``; 0 for an id outside ``[0, E)``), ``x``'s dtype."""
     return ref.routed_experts(x, expert_ids, gate_up, down, limit)
+
+
+TOPK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# topk_indices runs its kernel up to these sizes (a row's keys in one program's registers, k rounds
+# of two reductions each) and the reference's sort above them.
+TOPK_MAX_COLUMNS = 1024
+TOPK_MAX_K = 32
+
+
+def _check_topk_indices(scores, k) -> None:
+    check_tensor("topk_indices", "scores", scores, dtypes=TOPK_DTYPES, ndim=2)
+    if not 1 <= k <= scores.shape[1]:
+        raise ValueError(f"dsv4.topk_indices: k={k} must be between 1 and the {scores.shape[1]} columns of scores")
+
+
+def _topk_indices_fake(scores, k):
+    return scores.new_empty(scores.shape[0], k, dtype=torch.int64)
+
+
+def _topk_indices_cuda(scores, k):
+    if scores.shape[1] > TOPK_MAX_COLUMNS or k > TOPK_MAX_K:
+        return ref.topk_indices(scores, k)
+    return kernels.launch_topk_indices(scores, k)
+
+
+@dsv4_op("topk_indices", check=_check_topk_indices, fake=_topk_indices_fake,
+         cuda=_topk_indices_cuda if HAS_TRITON else None)
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``scores [T, E]`` fp32 / bf16 / fp16, ``1 <= k <= E`` -> ``[T, k]`` int64: the columns of each
+    row's ``k`` largest scores, in descending order, equal scores in column order (-0.0 equals
+    +0.0; NaN ranks above every number). On CUDA one program per row up to
+    ``TOPK_MAX_COLUMNS`` columns and ``TOPK_MAX_K``; the reference's sort above."""
+    return ref.topk_indices(scores, k)

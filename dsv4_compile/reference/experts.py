@@ -57,3 +57,9 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
         y = (hidden.float() @ down[e].float().T).to(x.dtype)
         out = torch.where(ids == e, y, out)
     return out
+
+
+def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``scores [T, E]`` -> ``[T, k]`` int64: each row's ``k`` largest, in descending order, equal
+    scores in column order (a stable sort: -0.0 equals +0.0; NaN ranks above every number)."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k].contiguous()

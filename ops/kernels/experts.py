@@ -15,6 +15,10 @@ launches do the whole layer, with no sort:
 * ``_down_kernel``, the same grid over ``down`` for the hidden activations, writing each slot's
   output row.
 
+``_topk_indices_kernel`` (``dsv4::topk_indices``, the router's choice of experts): one program per
+row holds the row's scores as order-preserving integer keys and takes the largest ``k`` times, the
+lowest column among equal keys each time.
+
 The grid has one row of programs per expert the slots can reach, not per expert of the layer: a
 model of 256 experts launches 6 rows at one token, not 256 of which 250 would start only to exit.
 A program whose ``i`` is past the distinct experts reads nothing (its loop runs zero times), so a
@@ -30,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .primitives import DOT_MIN_ROWS, TileConfig
+from .primitives import DOT_MIN_ROWS, TileConfig, unsigned_key
 
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
 # GEMM, which the grouped path does better. Every program holds all slots as its tile's rows.
@@ -155,4 +159,38 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
         h, ids, down, out, s, num_experts, hidden, inter,
         h.stride(0), down.stride(0), down.stride(1), out.stride(0),
         S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    return out
+
+
+@triton.jit
+def _topk_indices_kernel(scores_ptr, out_ptr, E, stride, K: tl.constexpr, EP: tl.constexpr):
+    """Row ``pid``'s ``K`` largest columns of ``scores [T, E]`` into ``out [T, K]``, descending."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EP)
+    live = cols < E
+    x = tl.load(scores_ptr + row * stride + cols, mask=live, other=0.0).to(tl.float32)
+    # one NaN (it ranks above +inf in the key) and one zero (+0.0: -0.0 equals it, as in a sort)
+    x = tl.where(x != x, float("nan"), x + 0.0)
+    key = unsigned_key(x)
+    for i in tl.static_range(K):
+        best = tl.max(tl.where(live, key, 0), axis=0)
+        col = tl.min(tl.where(live & (key == best), cols, EP), axis=0)
+        tl.store(out_ptr + row * K + i, col.to(tl.int64))
+        live = live & (cols != col)
+
+
+def launch_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """``dsv4::topk_indices`` of ``scores [T, E]``, ``1 <= k <= E`` -> ``[T, k]`` int64. A row's E
+    keys sit in one program's registers and the K rounds are unrolled: the op keeps E and k small
+    (``ops/experts.py``)."""
+    rows, cols = scores.shape
+    if not 1 <= k <= cols:
+        raise ValueError(f"launch_topk_indices: k={k} must be between 1 and the {cols} columns")
+    if scores.stride(-1) != 1:
+        scores = scores.contiguous()
+    out = torch.empty(rows, k, dtype=torch.int64, device=scores.device)
+    if rows:
+        ep = triton.next_power_of_2(cols)
+        _topk_indices_kernel[(rows,)](scores, out, cols, scores.stride(0), K=k, EP=ep,
+                                      num_warps=max(1, min(4, ep // 256)))
     return out

@@ -240,3 +240,12 @@ def finish_rows(m2, l, sink, heads, head_ok):
     lse2, empty = row_lse2(m2, l)
     scale = tl.where(empty, 0.0, sink_gate(sink, heads, head_ok, lse2) / l)
     return scale, tl.where(empty, float("inf"), lse2 * LN2)
+
+
+@triton.jit
+def unsigned_key(x):
+    """uint32 key with the order of the fp32 values (for finite values and ±inf; -0.0 below +0.0, a
+    NaN with the sign bit clear above +inf): negative floats have every bit flipped, the others the
+    sign bit."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits ^ ((bits >> 31) | (-2147483647 - 1))).to(tl.uint32, bitcast=True)

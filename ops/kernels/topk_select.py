@@ -44,6 +44,7 @@ import triton
 import triton.language as tl
 
 from ... import layout
+from .primitives import unsigned_key
 
 _NB = 256
 _BLOCK = 1024  # logits per select iteration (< 2**16: packed cumsum)
@@ -295,14 +296,6 @@ def _radix_select_kernel(workspace_ptr, vis_ptr, hist_ptr, pt_ptr, out_ptr, cand
 
 
 @triton.jit
-def _unsigned_key(x):
-    """uint32 key with the order of the fp32 values (for finite values and ±inf): negative floats
-    have every bit flipped, the others the sign bit."""
-    bits = x.to(tl.int32, bitcast=True)
-    return (bits ^ ((bits >> 31) | (-2147483647 - 1))).to(tl.uint32, bitcast=True)
-
-
-@triton.jit
 def _kth_largest(key, match, k, DIGIT_BITS: tl.constexpr):
     """The ``k``-th largest of the ``match``-ing uint32 keys (``1 <= k <=`` their count), found from
     its top bits down, ``DIGIT_BITS`` a pass: a pass histograms the next digit of the keys that share
@@ -340,7 +333,7 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
     if n > topk:
         j = tl.arange(0, CAP)
         visible = j < n
-        key = _unsigned_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
+        key = unsigned_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
         threshold = _kth_largest(key, visible, topk, DIGIT_BITS)
         need = topk - tl.sum((visible & (key > threshold)).to(tl.int32), axis=0)
         take, _ = _take(key, visible, threshold, need, 0)

@@ -92,3 +92,27 @@ def test_op_on_device(device, tokens):
     x, ids = _inputs(tokens, 2, 4, 64, device, DTYPES[-1])
     torch.testing.assert_close(torch.ops.dsv4.routed_experts(x, ids, gate_up, down, 10.0),
                                ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, columns, k", [(1, 8, 2), (3, 256, 6), (2, 300, 32), (4, 1024, 1)])
+def test_topk_indices_kernel_matches_the_reference(device, dtype, rows, columns, k):
+    """Random scores with ties (rounded to a few values), -0.0 / +0.0, ±inf and NaN planted: the
+    kernel's columns equal the reference's stable sort, order included."""
+    gen = torch.Generator(device=device).manual_seed(columns + k)
+    scores = torch.randint(-6, 7, (rows, columns), generator=gen, device=device).float() / 4
+    scores[:, 0], scores[:, -1] = -0.0, 0.0
+    scores[0, columns // 2] = float("nan")
+    scores[-1, 1], scores[-1, 2] = float("inf"), float("-inf")
+    scores = scores.to(dtype)
+    got = kernels.launch_topk_indices(scores, k)
+    assert torch.equal(got.cpu(), ref.topk_indices(scores.cpu(), k))
+    assert torch.equal(torch.ops.dsv4.topk_indices(scores, k).cpu(), got.cpu())
+
+
+def test_topk_indices_strided_and_no_rows(device):
+    scores = torch.randn(3, 64, device=device)[:, ::2]
+    assert torch.equal(kernels.launch_topk_indices(scores, 5).cpu(), ref.topk_indices(scores.cpu(), 5))
+    assert kernels.launch_topk_indices(scores[:0], 5).shape == (0, 5)
+    with pytest.raises(ValueError, match="k=33"):
+        kernels.launch_topk_indices(scores, 33)

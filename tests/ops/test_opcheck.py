@@ -155,6 +155,11 @@ def test_grouped_linear(rows):
 
 
 @pytest.mark.parametrize("rows", [0, 3])
+def test_topk_indices(rows):
+    _opcheck(ops.topk_indices, (torch.randn(rows, 9), 3))
+
+
+@pytest.mark.parametrize("rows", [0, 3])
 def test_greedy_tokens(rows):
     _opcheck(ops.greedy_tokens, (torch.randn(rows, 77).bfloat16(),))
 
@@ -223,7 +228,7 @@ def _calls(state) -> dict[str, tuple]:
     }
 
 
-# sinkhorn and greedy_tokens are absent: their one tensor argument has no device to disagree with
+# sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
            "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear", "rms_norm_rope",
