@@ -13,10 +13,8 @@ from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, ReplaceShortTopkPass
 from dsv4_compile.fx_passes.base import OnDevicesPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
-from dsv4_compile.model import enable
-from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import three_layer_prefill
 
 REPLACED = "dsv4.topk_indices.default"
 
@@ -71,21 +69,16 @@ def test_uuid_follows_the_devices():
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
 @torch.no_grad()
 def test_model_step_replaces_each_learned_routers_topk():
-    """compile_step of the 2-layer test model (a hash-routed MoE layer, then a learned one) with the
-    default passes and this one on the CPU: the learned router's top-k is replaced (the hash router
-    has none);
-    the logits are the eager backend's (two experts a token: their sum does not depend on the order
-    the router names them in)."""
-    config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    """compile_step of the 3-layer test model (a hash-routed MoE layer, then two learned ones) with
+    the default passes and this one on the CPU: each learned router's top-k is replaced (the hash
+    router has none), and the logits are the eager backend's, bit for bit (two experts a token:
+    their sum does not depend on the order the router names them in)."""
+    backend, ids, step = three_layer_prefill()
     want = backend(ids, step, torch.arange(6)).float()
     replace = ReplaceShortTopkPass(("cpu",))
     passes = [type(p)(("cpu",)) if isinstance(p, OnDevicesPass) else p for p in default_passes()] + [replace]
     with fresh_compile_state():
         got = compile_step(backend, passes=DSV4PassManager(passes), options=EXACT_NUMERICS)(
             ids, step, torch.arange(6)).float()
-    assert replace.matched_count == 1
+    assert replace.matched_count == 2
     assert torch.equal(got, want)

@@ -67,7 +67,6 @@ def test_compress_kv_steps_carry_state(device, ratio, d):
         state = inputs.check_compress_kv(launch_compress_kv, args)
 
 
-
 @pytest.mark.parametrize("ratio,d,scenario", [(4, 128, "verify"), (4, 512, "long_prefill"), (128, 512, "verify")])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_compress_kv_reads_half_precision_projections(device, ratio, d, scenario, dtype):
