@@ -15,8 +15,9 @@ Each case runs in a fresh process (nothing of an earlier compile in memory): "co
 case: ``first_call_s`` (wall time of the first compiled call, device synchronised), ``second_call_s``
 (the same step again: what the first call spent running rather than compiling), ``trace_s``
 (Dynamo's ``bytecode_tracing``), ``backend_s`` (``OutputGraph.call_user_compiler``: AOT and
-Inductor), Dynamo frames and graph breaks, and the hits, misses and bypasses of Inductor's FX graph
-cache and AOTAutograd's cache (``inductor_*``, ``aot_autograd_*``).
+Inductor), Dynamo frames and graph breaks, the hits, misses and bypasses of Inductor's FX graph
+cache and AOTAutograd's cache (``inductor_*``, ``aot_autograd_*``), and ``phases``: every timed
+phase of torch's compile of at least half a second (nested phases included, so they overlap).
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ _TIMERS = {"trace_s": "bytecode_tracing", "backend_s": "OutputGraph.call_user_co
 # compiled-graph caches whose hits a warm process should show: Inductor's FX graph cache and
 # AOTAutograd's cache (Dynamo counter group -> counter prefix)
 _CACHES = {"inductor": "fxgraph_cache", "aot_autograd": "autograd_cache"}
+# every timed compile phase (torch's ``compilation_time_metrics``) of at least this many seconds,
+# nested phases included, so a row says where its time went
+_PHASE_MIN_S = 0.5
 
 
 def parse_args(argv=None):
@@ -80,6 +84,7 @@ def run_case(layers: int, backend: str, preset: str, device: str) -> dict:
     counters = torch._dynamo.utils.counters
     return {"first_call_s": times[0], "second_call_s": times[1],
             **{k: sum(metrics.get(name, [0.0])) for k, name in _TIMERS.items()},
+            "phases": {name: round(sum(t), 2) for name, t in metrics.items() if sum(t) >= _PHASE_MIN_S},
             "frames": counters["stats"]["unique_graphs"], "graph_breaks": sum(counters["graph_break"].values()),
             **{f"{group}_{event}": counters[group][key] for group, prefix in _CACHES.items()
                for event in ("hit", "miss", "bypass") for key in [f"{prefix}_{event}"]}}
