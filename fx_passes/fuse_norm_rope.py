@@ -6,20 +6,29 @@ A DeepSeek V4 layer norms its query per head and its key, then rotates the last 
 
 Matched with Inductor's pattern matcher, on patterns traced from the code they stand for: the
 norms of ``transformers``' DeepSeek V4 (``DeepseekV4RMSNorm``, weighted, and
-``DeepseekV4UnweightedRMSNorm``, whose scale is rounded to the input's dtype) and this package's
-``reference.functional.rms_norm`` (weighted or not), each followed by ``rope_tail`` at per-token
-positions, on a ``[T, D]`` key or a ``[T, H, D]`` query. The matcher re-traces each candidate at
-its real shapes before replacing it, so slice bounds, reduction dims and dtypes must agree; a
-norm or rotation written otherwise is left as it is. Only chains on one of ``devices`` (CUDA by
-default: elsewhere the op is the same math) with bf16 / fp16 rows are replaced.
+``DeepseekV4UnweightedRMSNorm``, whose scale is rounded to the input's dtype; only once that code
+is imported: a graph cannot hold code that never was, and importing ``transformers`` costs seconds
+a compile) and this package's ``reference.functional.rms_norm`` (weighted or not), each followed
+by ``rope_tail`` at per-token positions, on a ``[T, D]`` key or a ``[T, H, D]`` query. The matcher
+re-traces each candidate at its real shapes before replacing it, so slice bounds, reduction dims
+and dtypes must agree; a norm or rotation written otherwise is left as it is. Only chains on one
+of ``devices`` (CUDA by default: elsewhere the op is the same math) with bf16 / fp16 rows are
+replaced.
+
+Compile time: the patterns are traced once per process (per devices, with or without
+``transformers``' norms), and within one graph a re-trace is reused by every candidate of the same
+function at the same argument shapes, dtypes and strides (a stack's layers repeat a handful of
+chains: 86 candidates, 0.16 s a trace on the CPU, in the 43-layer Flash stack).
 """
 
 from __future__ import annotations
 
+import functools
+import sys
 import types
-from collections.abc import Sequence
 
 import torch
+import torch.utils._pytree as pytree
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
 
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope)
@@ -28,16 +37,49 @@ from ..reference.functional import rms_norm, rope_tail
 from .base import OnDevicesPass
 
 _EPS = 1e-6  # traced value of the norms' eps; the pattern takes any (scalar_workaround)
+_HF_MODULE = "transformers.models.deepseek_v4.modeling_deepseek_v4"
+# traces of the graph being rewritten, by function and argument signature (None outside a rewrite)
+_graph_traces: dict | None = None
 
 
 def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
     """``fwd_only`` with the trace's views stated as reshapes: tracing real tensors turns the
-    RoPE's ``unflatten`` / ``flatten`` into views, Dynamo's graphs hold them as reshapes."""
-    gm = fwd_only(fn, args, **kwargs)
-    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
-        node.target = torch.ops.aten.reshape.default
-    gm.recompile()
-    return gm
+    RoPE's ``unflatten`` / ``flatten`` into views, Dynamo's graphs hold them as reshapes. While a
+    graph is rewritten, a trace of the same function at the same signature is copied, not redone."""
+    key = None if _graph_traces is None else _trace_key(fn, args, kwargs)
+    if key is None or key not in _graph_traces:
+        gm = fwd_only(fn, args, **kwargs)
+        for node in gm.graph.find_nodes(op="call_function", target=torch.ops.aten.view.default):
+            node.target = torch.ops.aten.reshape.default
+        gm.recompile()
+        if key is None:
+            return gm
+        _graph_traces[key] = gm
+    return _copy(_graph_traces[key])  # the matcher renames a trace's placeholders in place
+
+
+def _trace_key(fn, args, kwargs) -> tuple:
+    """What a trace depends on: the function's code and the functions it closes over (the matcher
+    wraps a search function in a fresh closure per candidate), the arguments' shapes, strides,
+    dtypes and devices (symbolic sizes by expression), other arguments by value."""
+    closure = tuple(c.cell_contents for c in fn.__closure__ or () if callable(c.cell_contents))
+    leaves = [_signature(v) for v in pytree.tree_leaves((args, kwargs))]
+    return (fn.__code__, closure, tuple(leaves))
+
+
+def _signature(value) -> tuple:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(map(str, value.shape)), tuple(map(str, value.stride())), value.dtype,
+                value.device, value.requires_grad)
+    if isinstance(value, torch.SymInt):
+        return ("symint", str(value.node.expr))
+    return ("value", value if isinstance(value, (bool, int, float, str, type(None))) else id(value))
+
+
+def _copy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    graph = torch.fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph)
 
 
 def _at_tokens(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -45,27 +87,29 @@ def _at_tokens(positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return positions if x.dim() == 2 else positions.unsqueeze(1)
 
 
-def _search_functions():
-    """(name, search function, weighted, round_scale) of every matched chain."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4RMSNorm,
-                                                                      DeepseekV4UnweightedRMSNorm)
-
-    def hf_weighted(x, weight, positions, inv_freq, eps):
-        norm = types.SimpleNamespace(weight=weight, variance_epsilon=eps)
-        return rope_tail(DeepseekV4RMSNorm.forward(norm, x), _at_tokens(positions, x), inv_freq)
-
-    def hf_unweighted(x, positions, inv_freq, eps):
-        norm = types.SimpleNamespace(eps=eps)
-        return rope_tail(DeepseekV4UnweightedRMSNorm.forward(norm, x), _at_tokens(positions, x), inv_freq)
-
+def _search_functions(with_hf: bool):
+    """(search function, weighted, round_scale) of every matched chain; ``transformers``' norms
+    when ``with_hf``."""
     def weighted(x, weight, positions, inv_freq, eps):
         return rope_tail(rms_norm(x, weight, eps), _at_tokens(positions, x), inv_freq)
 
     def unweighted(x, positions, inv_freq, eps):
         return rope_tail(rms_norm(x, None, eps), _at_tokens(positions, x), inv_freq)
 
-    return [(hf_weighted, True, False), (hf_unweighted, False, True), (weighted, True, False),
-            (unweighted, False, False)]
+    ours = [(weighted, True, False), (unweighted, False, False)]
+    if not with_hf:
+        return ours
+    hf = sys.modules[_HF_MODULE]
+
+    def hf_weighted(x, weight, positions, inv_freq, eps):
+        norm = types.SimpleNamespace(weight=weight, variance_epsilon=eps)
+        return rope_tail(hf.DeepseekV4RMSNorm.forward(norm, x), _at_tokens(positions, x), inv_freq)
+
+    def hf_unweighted(x, positions, inv_freq, eps):
+        norm = types.SimpleNamespace(eps=eps)
+        return rope_tail(hf.DeepseekV4UnweightedRMSNorm.forward(norm, x), _at_tokens(positions, x), inv_freq)
+
+    return [(hf_weighted, True, False), (hf_unweighted, False, True), *ours]
 
 
 def _replacement(weighted: bool, round_scale: bool):
@@ -84,48 +128,54 @@ def _example_inputs(rows: tuple[int, ...], weighted: bool, weight_dtype: torch.d
     return [x, torch.empty(128, dtype=weight_dtype), positions, inv_freq] if weighted else [x, positions, inv_freq]
 
 
-class FuseNormRopePass(OnDevicesPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
-        super().__init__(devices)
-        self._patterns: PatternMatcherPass | None = None  # traced on first use
+@functools.cache
+def _patterns(devices: tuple[str, ...], with_hf: bool) -> PatternMatcherPass:
+    """Every chain's pattern, replaced on ``devices`` only (traced once per process)."""
+    patterns = PatternMatcherPass(pass_name="dsv4_fuse_norm_rope")
+    for search, weighted, round_scale in _search_functions(with_hf):
+        # fp32 weights (transformers keeps its norms' in fp32) and weights of x's dtype trace
+        # differently (a cast), so each is a pattern; so are keys [T, D] and queries [T, H, D]
+        for weight_dtype in (torch.float32, torch.bfloat16) if weighted else (None,):
+            for rows in ((2, 3), (2,)):  # queries first: a key pattern would take a query's
+                # positions.unsqueeze(1) for its positions and fail its re-trace
+                register_replacement(search, _replacement(weighted, round_scale),
+                                     _example_inputs(rows, weighted, weight_dtype), _trace, [patterns],
+                                     extra_check=functools.partial(_on_devices, devices),
+                                     scalar_workaround={"eps": _EPS}, skip_duplicates=True)
+    return patterns
 
+
+def _on_devices(devices: tuple[str, ...], match: Match) -> bool:
+    x = match.kwargs["x"].meta.get("val")
+    return isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in devices
+
+
+def _device_of(node: torch.fx.Node) -> str | None:
+    val = node.meta.get("val")
+    return val.device.type if isinstance(val, torch.Tensor) else None
+
+
+class FuseNormRopePass(OnDevicesPass):
     def apply(self, graph: torch.fx.Graph) -> int:
-        if self._patterns is None:
-            self._patterns = self._register()
+        global _graph_traces
+        if not any(_device_of(node) in self.devices for node in graph.nodes):
+            return 0  # nothing to replace, and no pattern to trace
+        patterns = _patterns(self.devices, _HF_MODULE in sys.modules)
         # a graph with no node a pattern ends in (RoPE's cat) on ``devices`` has nothing to match;
         # the matcher's walk would cost ~0.17 s per layer of a compiled stack (CPU, 43 layers)
-        anchors = (node for op, target in self._patterns.patterns for node in graph.find_nodes(op=op, target=target))
-        if not any(self._device_of(node) in self.devices for node in anchors):
+        anchors = (node for op, target in patterns.patterns for node in graph.find_nodes(op=op, target=target))
+        if not any(_device_of(node) in self.devices for node in anchors):
             return 0
-        return self._patterns.apply(graph)
-
-    @staticmethod
-    def _device_of(node: torch.fx.Node) -> str | None:
-        val = node.meta.get("val")
-        return val.device.type if isinstance(val, torch.Tensor) else None
-
-    def _register(self) -> PatternMatcherPass:
-        patterns = PatternMatcherPass(pass_name="dsv4_fuse_norm_rope")
-        for search, weighted, round_scale in _search_functions():
-            # fp32 weights (transformers keeps its norms' in fp32) and weights of x's dtype trace
-            # differently (a cast), so each is a pattern; so are keys [T, D] and queries [T, H, D]
-            for weight_dtype in (torch.float32, torch.bfloat16) if weighted else (None,):
-                for rows in ((2, 3), (2,)):  # queries first: a key pattern would take a query's
-                    # positions.unsqueeze(1) for its positions and fail its re-trace
-                    register_replacement(search, _replacement(weighted, round_scale),
-                                         _example_inputs(rows, weighted, weight_dtype), _trace, [patterns],
-                                         extra_check=self._on_devices, scalar_workaround={"eps": _EPS},
-                                         skip_duplicates=True)
-        return patterns
-
-    def _on_devices(self, match: Match) -> bool:
-        x = match.kwargs["x"].meta.get("val")
-        return isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in self.devices
+        _graph_traces = {}
+        try:
+            return patterns.apply(graph)
+        finally:
+            _graph_traces = None
 
     def source_of_rewrite(self) -> tuple:
         """The rewrite follows the traced code too: the reference norm and RoPE, and transformers'
-        norms."""
-        from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
-
+        norms when they are imported (and so matched)."""
         from ..reference import functional
-        return (*super().source_of_rewrite(), functional, hf.DeepseekV4RMSNorm, hf.DeepseekV4UnweightedRMSNorm)
+        hf = sys.modules.get(_HF_MODULE)
+        hf_norms = (hf.DeepseekV4RMSNorm, hf.DeepseekV4UnweightedRMSNorm) if hf is not None else ()
+        return (*super().source_of_rewrite(), functional, *hf_norms)

@@ -7,6 +7,8 @@ the pass, told to match CPU tensors (by default it matches CUDA ones only, where
 launch). On the CPU the op is the reference, the unfused math, so with Inductor rounding where
 eager rounds the outputs equal eager ones bit for bit."""
 
+import sys
+
 import pytest
 import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
@@ -117,3 +119,43 @@ def test_model_step_fuses_each_layers_query_and_key():
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
     assert fuse.matched_count == fuse.last_ops.count(FUSED) == 6
     assert torch.equal(got, want)
+
+
+def test_a_repeated_chain_is_traced_once(monkeypatch):
+    """Three keys of one shape through the same chain: three replacements, but the matcher's
+    re-trace of the chain (and of its replacement) at their shapes happens once each."""
+    from dsv4_compile.fx_passes import fuse_norm_rope
+
+    traced = []
+    real = fuse_norm_rope.fwd_only
+    monkeypatch.setattr(fuse_norm_rope, "fwd_only", lambda fn, *a, **kw: traced.append(fn) or real(fn, *a, **kw))
+    fuse_norm_rope._patterns(("cpu",), True)  # the patterns' own traces, before counting
+    traced.clear()
+    keys = [_inputs(None)[0] + i for i in range(3)]
+    _, positions, inv_freq = _inputs(None)
+
+    def fn(k0, k1, k2, p, f):
+        return [rope_tail(HF_WEIGHTED(k), p, f) for k in (k0, k1, k2)]
+
+    matches, ops, want, got = _compiled(fn, *keys, positions, inv_freq)
+    assert (matches, ops) == (3, [FUSED] * 3)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert len(traced) == 2  # the search chain and its replacement, once each
+
+
+def test_transformers_norms_matched_only_once_imported(monkeypatch):
+    """With transformers' DeepSeek V4 code not imported, its norms are not among the patterns (a
+    graph cannot hold them) and the uuid says so; a CPU graph under the CUDA default traces none."""
+    from dsv4_compile.fx_passes import fuse_norm_rope
+
+    with_hf = FuseNormRopePass().uuid()
+    assert len(fuse_norm_rope._search_functions(True)) == 4
+    monkeypatch.delitem(sys.modules, fuse_norm_rope._HF_MODULE)
+    assert FuseNormRopePass().uuid() != with_hf
+    assert len(fuse_norm_rope._search_functions(False)) == 2
+    monkeypatch.setattr(fuse_norm_rope, "_patterns", lambda *a: pytest.fail("traced patterns for a CPU graph"))
+    x, positions, inv_freq = _inputs(4)
+    matches, ops, want, got = _compiled(lambda x, p, f: rope_tail(rms_norm(x, None, EPS), p[:, None], f), x, positions,
+                                        inv_freq, devices=("cuda",))
+    assert (matches, ops) == (0, [])
+    torch.testing.assert_close(got, want)
