@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from .config import HEAD_DIM, INDEX_HEAD_DIM, DSV4AttnConfig
-from .reference.functional import rope_tail
 from .rope import layer_inv_freq
+
+ops = torch.ops.dsv4
 
 
 class HFCompressor:
@@ -88,12 +89,12 @@ class HFAttention(nn.Module):
         a = self.attn
         q_lora = a.q_a_norm(a.q_a_proj(x))
         q = a.q_b_norm(a.q_b_proj(q_lora).view(x.shape[0], self.config.num_heads, HEAD_DIM))
-        q = rope_tail(q, positions.unsqueeze(1), self.inv_freq)
-        kv = rope_tail(a.kv_norm(a.kv_proj(x)), positions, self.inv_freq)
+        q = ops.rope_tail(q, positions.unsqueeze(1), self.inv_freq)
+        kv = ops.rope_tail(a.kv_norm(a.kv_proj(x)), positions, self.inv_freq)
         return q, kv, q_lora
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""
-        o = rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
+        o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
         grouped = self.attn.o_a_proj(o.reshape(o.shape[0], self.config.o_groups, -1))
         return self.attn.o_b_proj(grouped.flatten(1))

@@ -28,10 +28,11 @@ from .attention import KVSet, sparse_attn
 from .cache import DSV4Cache, LayerCache
 from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
 from .device_checks import ENABLED_BY_ENV, checked_step
-from .reference.functional import rms_norm, rope_tail
 from .rope import layer_inv_freq
 from .step import StepInputs, StepMetadata, build_step_metadata
 from .validate import validate_step
+
+ops = torch.ops.dsv4
 
 
 def _init_linear(w: torch.Tensor, gen: torch.Generator) -> None:
@@ -79,7 +80,7 @@ def compress_rows(comp, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor
     """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``: ``comp`` is any
     compressor exposing ``project(x)``, ``ape``, ``norm``, ``ratio``, ``rotate`` and ``eps``."""
     kv, score = comp.project(x)
-    return torch.ops.dsv4.compress_kv(state, kv, score, comp.ape, meta.req_of_row, meta.seq_lens_causal,
+    return ops.compress_kv(state, kv, score, comp.ape, meta.req_of_row, meta.seq_lens_causal,
                                       meta.extend_start, meta.extend_end, comp.norm, inv_freq, comp.ratio,
                                       ring, comp.rotate, comp.eps)
 
@@ -145,16 +146,16 @@ class DSV4Attention(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [T, H, 512], kv [T, 512], q_lora [T, q_lora])`` bf16, RoPE applied at ``positions``."""
         eps = self.config.rms_norm_eps
-        q_lora = rms_norm(F.linear(x, self.wq_a), self.q_norm, eps)
-        q = rms_norm(F.linear(q_lora, self.wq_b).view(x.shape[0], self.config.num_heads, HEAD_DIM), None, eps)
-        q = rope_tail(q, positions.unsqueeze(1), self.inv_freq)
-        kv = rope_tail(rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), positions, self.inv_freq)
+        q_lora = ops.rms_norm(F.linear(x, self.wq_a), self.q_norm, eps)
+        q = ops.rms_norm(F.linear(q_lora, self.wq_b).view(x.shape[0], self.config.num_heads, HEAD_DIM), None, eps)
+        q = ops.rope_tail(q, positions.unsqueeze(1), self.inv_freq)
+        kv = ops.rope_tail(ops.rms_norm(F.linear(x, self.wkv), self.kv_norm, eps), positions, self.inv_freq)
         return q, kv, q_lora
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> hidden ``[T, hidden]``: inverse RoPE, grouped wo_a, wo_b."""
         g = self.config.o_groups
-        o = rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
+        o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
         o = o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g)
         o = torch.einsum("tgd,grd->tgr", o, self.wo_a.view(g, self.config.o_lora_rank, -1))
         return F.linear(o.flatten(1), self.wo_b)
@@ -175,7 +176,6 @@ def paged_attention(layer, x: torch.Tensor, meta: StepMetadata, cache: LayerCach
     and :class:`Indexer` use; :mod:`dsv4_compile.hf_layer` provides one over ``transformers``'
     modules.
     """
-    ops = torch.ops.dsv4
     q, kv, q_lora = layer.project_q_kv(x, meta.positions)
     ops.store_kv(cache.swa_kv, meta.swa_out_loc, kv, PAGE_SIZE)
     extra = None

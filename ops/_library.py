@@ -49,14 +49,26 @@ def _checked(fn: Callable, check: Callable) -> Callable:
 
 
 def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None = None,
-            mutates_args: Sequence[str] = (), device_types: str | None = None, schema: str | None = None):
+            mutates_args: Sequence[str] = (), device_types: str | None = None, schema: str | None = None,
+            decompose: bool = False):
     """Decorator turning a reference function into the custom op ``dsv4::<name>`` (see module doc).
 
     ``device_types="cuda"`` registers no reference kernel: the op then runs only on CUDA, through
     ``cuda``, or through the decorated function itself when ``cuda`` is not given. ``schema``
     (``torch.library.infer_schema`` form) replaces the one inferred from the decorated function's
     annotations: an op with another op's signature states it once.
+
+    ``decompose=True`` (a reference of torch ops and no ``cuda`` kernel) makes the reference the
+    op's decomposition in Inductor: a Dynamo trace records one node with a cheap fake where the
+    model calls the op, and AOTAutograd replaces it by the reference's aten ops, so Inductor
+    compiles (and fuses, and the FX passes match) what the torch ops written out would give. For
+    math a layer repeats several times (RMSNorm, RoPE): each traced aten op costs Dynamo ~1.5 ms
+    of a compile, once per layer and call (docs/compile.md, "Compile time: math a layer repeats,
+    as one traced op").
     """
+    if decompose and cuda is not None:
+        raise ValueError(f"dsv4.{name}: an op with a CUDA kernel is not decomposed")
+
     def register(reference: Callable) -> torch.library.CustomOpDef:
         impl = _checked(cuda if device_types is not None and cuda is not None else reference, check)
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=tuple(mutates_args),
@@ -66,6 +78,9 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
         op.register_fake(_checked(fake, check))
         if device_types is None:  # impl is the checked reference
             _REFERENCES[name] = impl
+        if decompose:
+            from torch._inductor.decomposition import register_decomposition
+            register_decomposition(getattr(torch.ops.dsv4, name).default)(impl)
         return op
     return register
 

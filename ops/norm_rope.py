@@ -1,7 +1,9 @@
-"""RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``; and for a layer's key, followed by its
-cache write too: ``dsv4::rms_norm_rope_store_kv``.
+"""RMSNorm and RoPE: ``dsv4::rms_norm`` and ``dsv4::rope_tail``, the reference math as one traced op
+each (the layers call them; Inductor decomposes them back into that math, so they cost Dynamo one
+node a call); RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``; and for a layer's key,
+followed by its cache write too: ``dsv4::rms_norm_rope_store_kv``.
 
-The model calls neither op: a compiled step gets the first from ``FuseNormRopePass``
+The model calls neither fused op: a compiled step gets the first from ``FuseNormRopePass``
 (``fx_passes/fuse_norm_rope.py``), which finds a layer's query norm + RoPE (per head) and key norm
 + RoPE in the graph and replaces each chain by one call, and the second from ``FuseKeyStorePass``
 (``fx_passes/fuse_key_store.py``), which folds a key's ``rms_norm_rope`` into the ``store_kv``
@@ -26,6 +28,43 @@ if HAS_TRITON:
     from .kernels import norm_rope as kernels
 
 DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _check_rms_norm(x, weight, eps) -> None:
+    check_tensor("rms_norm", "x", x, dtypes=DTYPES + (torch.float32,))
+    if weight is not None:
+        check_tensor("rms_norm", "weight", weight, dtypes=(torch.float32, x.dtype), ndim=1, shape=(x.shape[-1],))
+    check_devices("rms_norm", x=x, weight=weight)
+
+
+def _same_as_x(x, *args):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@dsv4_op("rms_norm", check=_check_rms_norm, fake=_same_as_x, decompose=True)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``reference.functional.rms_norm`` as one traced op: ``x [..., D]`` bf16 / fp16 / fp32,
+    ``weight [D]`` fp32 or x's dtype, or None -> x's shape and dtype (fp32 math), a new contiguous tensor."""
+    return ref.rms_norm(x, weight, eps)
+
+
+def _check_rope_tail(x, positions, inv_freq, inverse=False) -> None:
+    check_tensor("rope_tail", "x", x, dtypes=DTYPES + (torch.float32,))
+    check_tensor("rope_tail", "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
+        raise ValueError(f"dsv4.rope_tail: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of "
+                         f"x's last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+    check_tensor("rope_tail", "positions", positions, dtypes=(torch.int32, torch.int64))
+    check_devices("rope_tail", x=x, positions=positions, inv_freq=inv_freq)
+
+
+@dsv4_op("rope_tail", check=_check_rope_tail, fake=_same_as_x, decompose=True)
+def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
+              ) -> torch.Tensor:
+    """``reference.functional.rope_tail`` as one traced op: RoPE (its inverse when ``inverse``) on
+    the last R dims of ``x [..., D]`` at ``positions`` (int, broadcast to ``x.shape[:-1]``),
+    ``inv_freq [R / 2] fp32`` -> x's shape and dtype, a new contiguous tensor."""
+    return ref.rope_tail(x, positions, inv_freq, inverse)
 
 
 def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op: str = "rms_norm_rope") -> None:

@@ -26,6 +26,11 @@ dsv4.build_page_table
 dsv4.build_swa_metadata
 dsv4.build_c4_metadata
 dsv4.build_c128_metadata
+dsv4.rms_norm
+dsv4.rms_norm
+dsv4.rope_tail
+dsv4.rms_norm
+dsv4.rope_tail
 dsv4.store_kv
 dsv4.compress_kv
 dsv4.store_index_k
@@ -34,10 +39,17 @@ dsv4.indexer_topk
 dsv4.compress_kv
 dsv4.store_kv
 dsv4.sparse_attn
+dsv4.rope_tail
+dsv4.rms_norm
+dsv4.rms_norm
+dsv4.rope_tail
+dsv4.rms_norm
+dsv4.rope_tail
 dsv4.store_kv
 dsv4.compress_kv
 dsv4.store_kv
-dsv4.sparse_attn""")
+dsv4.sparse_attn
+dsv4.rope_tail""")
 
 
 if __name__ == "__main__":

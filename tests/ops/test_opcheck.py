@@ -175,6 +175,21 @@ def test_rms_norm_rope(tokens, weight):
     _opcheck(ops.rms_norm_rope, _norm_rope_args(tokens, weight))
 
 
+@pytest.mark.parametrize("weight", [None, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(0, 64), (3, 64), (3, 2, 64)])
+def test_rms_norm(shape, weight):
+    _opcheck(ops.rms_norm, (torch.randn(shape).bfloat16(), None if weight is None else torch.rand(64).to(weight), 1e-6))
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+@pytest.mark.parametrize("heads", [None, 2])
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_rope_tail(tokens, heads, inverse):
+    x = torch.randn(tokens, 96) if heads is None else torch.randn(tokens, heads, 96)
+    positions = torch.arange(tokens) * 7
+    _opcheck(ops.rope_tail, (x.bfloat16(), positions if heads is None else positions[:, None], torch.rand(16), inverse))
+
+
 def _key_store_args(tokens: int, weight: bool) -> tuple:
     slots = torch.tensor([1, -1, 70, 130, 5])[:tokens]
     return (torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8), slots, torch.randn(tokens, 512).bfloat16(),
@@ -222,6 +237,8 @@ def _calls(state) -> dict[str, tuple]:
         "routed_experts": _experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
         "grouped_linear": (torch.randn(3, 2, 64).bfloat16(), torch.randn(16, 64).bfloat16()),
+        "rms_norm": (torch.randn(3, 64).bfloat16(), torch.rand(64), 1e-6),
+        "rope_tail": (torch.randn(3, 96).bfloat16(), torch.arange(3), torch.rand(16)),
         "rms_norm_rope": _norm_rope_args(3, True),
         "rms_norm_rope_store_kv": _key_store_args(4, True),
         **_hyper_connection_args(3),
@@ -231,8 +248,9 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear", "rms_norm_rope",
-           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear",
+           "rms_norm", "rope_tail", "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post",
+           "hc_post_pre"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
