@@ -80,9 +80,8 @@ def compress_rows(comp, x: torch.Tensor, meta: StepMetadata, state: torch.Tensor
     """One potential entry per row ``[T, d] bf16`` via ``dsv4::compress_kv``: ``comp`` is any
     compressor exposing ``project(x)``, ``ape``, ``norm``, ``ratio``, ``rotate`` and ``eps``."""
     kv, score = comp.project(x)
-    return ops.compress_kv(state, kv, score, comp.ape, meta.req_of_row, meta.seq_lens_causal,
-                                      meta.extend_start, meta.extend_end, comp.norm, inv_freq, comp.ratio,
-                                      ring, comp.rotate, comp.eps)
+    return ops.compress_kv(state, kv, score, comp.ape, meta.req_of_row, meta.seq_lens_causal, meta.extend_start,
+                           meta.extend_end, comp.norm, inv_freq, comp.ratio, ring, comp.rotate, comp.eps)
 
 
 class Indexer(nn.Module):

@@ -30,6 +30,14 @@ if HAS_TRITON:
 DTYPES = (torch.bfloat16, torch.float16)
 
 
+def _check_inv_freq(op: str, x, inv_freq) -> None:
+    """``inv_freq [R / 2] fp32`` with R between 2 and x's last dim."""
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
+        raise ValueError(f"dsv4.{op}: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of x's "
+                         f"last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+
+
 def _check_rms_norm(x, weight, eps) -> None:
     check_tensor("rms_norm", "x", x, dtypes=DTYPES + (torch.float32,))
     if weight is not None:
@@ -38,22 +46,21 @@ def _check_rms_norm(x, weight, eps) -> None:
 
 
 def _same_as_x(x, *args):
+    """The fake of every op here that returns one tensor: x's shape and dtype, contiguous."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @dsv4_op("rms_norm", check=_check_rms_norm, fake=_same_as_x, decompose=True)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """``reference.functional.rms_norm`` as one traced op: ``x [..., D]`` bf16 / fp16 / fp32,
-    ``weight [D]`` fp32 or x's dtype, or None -> x's shape and dtype (fp32 math), a new contiguous tensor."""
+    ``weight [D]`` fp32 or x's dtype, or None -> x's shape and dtype (fp32 math), a new contiguous
+    tensor."""
     return ref.rms_norm(x, weight, eps)
 
 
 def _check_rope_tail(x, positions, inv_freq, inverse=False) -> None:
     check_tensor("rope_tail", "x", x, dtypes=DTYPES + (torch.float32,))
-    check_tensor("rope_tail", "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
-    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
-        raise ValueError(f"dsv4.rope_tail: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of "
-                         f"x's last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+    _check_inv_freq("rope_tail", x, inv_freq)
     check_tensor("rope_tail", "positions", positions, dtypes=(torch.int32, torch.int64))
     check_devices("rope_tail", x=x, positions=positions, inv_freq=inv_freq)
 
@@ -71,10 +78,7 @@ def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op: s
     check_tensor(op, "x", x, dtypes=DTYPES)
     if x.dim() not in (2, 3):
         raise ValueError(f"dsv4.{op}: x must be [T, D] or [T, H, D], got shape {tuple(x.shape)}")
-    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
-    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
-        raise ValueError(f"dsv4.{op}: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of x's "
-                         f"last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+    _check_inv_freq(op, x, inv_freq)
     if inv_freq.shape[0] & (inv_freq.shape[0] - 1):
         raise ValueError(f"dsv4.{op}: inv_freq must have a power-of-two length, got {inv_freq.shape[0]}")
     check_tensor(op, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=1, shape=(x.shape[0],))
@@ -85,11 +89,7 @@ def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op: s
     check_devices(op, x=x, weight=weight, positions=positions, inv_freq=inv_freq)
 
 
-def _rms_norm_rope_fake(x, weight, eps, round_scale, positions, inv_freq):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
-
-
-@dsv4_op("rms_norm_rope", check=_check_rms_norm_rope, fake=_rms_norm_rope_fake,
+@dsv4_op("rms_norm_rope", check=_check_rms_norm_rope, fake=_same_as_x,
          cuda=kernels.launch_rms_norm_rope if HAS_TRITON else None)
 def rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: float, round_scale: bool,
                   positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
