@@ -18,7 +18,9 @@ type (``--layers``: compression ratios, default sliding / CSA / HCA / CSA), the 
 (``--experts`` of ``--expert-dim``, ``--active-experts`` per token), the full vocabulary; bf16
 with the modules transformers keeps in fp32 in fp32, random weights drawn on the device.
 
-Ways (the same model and weights):
+Ways (the same model and weights; ``hf_eager`` first, the others in ``--ways`` order, one process:
+a process's first compiled way has run faster than those after it, so compare two ways in both
+orders or in separate processes):
     hf_eager       transformers' own forward with its DynamicCache, one token per step
                    (``model(ids, past_key_values=cache, use_cache=True)``), as a generate loop runs it
     backend_eager  the model on the backend, eager: ``backend(input_ids, step, logit_rows)``
@@ -52,6 +54,11 @@ Ways (the same model and weights):
     compiled_step_graphs_all_lone_linears  whole-step graphs with every lone product (``q_b_proj``
                    and the shared expert's ``down_proj`` too, K of 1024 / 2048) through
                    ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``
+    compiled_step_graphs_no_split_k  whole-step graphs with ``dsv4::linears`` never splitting K (one
+                   program per column tile, small groups too); not in the default ``--ways``
+    compiled_step_graphs_shared_expert_apart  whole-step graphs with each MoE layer's shared expert
+                   run as the block runs it (three products) instead of inside ``dsv4::moe_experts``;
+                   not in the default ``--ways``
     compiled_step_graphs_router_topk  whole-step graphs with ``ReplaceShortTopkPass`` added to the
                    default passes (the learned routers' ``aten.topk`` as ``dsv4::topk_indices``); not in
                    the default ``--ways``
@@ -90,6 +97,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 
 import torch
 from torch._dynamo.utils import counters
@@ -103,8 +111,9 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import (compiled_ratios, header, host_us_per_call, posted_max_tokens, profile_steps,
-                                        wall_call, weight_prefetch)
+from dsv4_compile.testing.bench import (compiled_ratios, header, host_us_per_call, linears_split_k,
+                                        posted_max_tokens, profile_steps, shared_expert_in_op, wall_call,
+                                        weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -129,7 +138,8 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
         "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
-        "compiled_step_graphs_router_topk")
+        "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
+        "compiled_step_graphs_shared_expert_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -495,51 +505,58 @@ def run(args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # transformers' prefill activations
     backend = make_backend(model, args, _ints(args.batches) + _ints(args.prefill_batches))
-    if "backend_eager" in args.ways:
-        measure_backend(backend, "backend_eager", backend, args, results)
-    if "compiled" in args.ways:
+    # in the order given: a process's first compiled way has measured faster than the ways after it
+    # (docs/perf-log.md), so a comparison is run in both orders
+    for way in (w for w in args.ways if w != "hf_eager"):
+        measure_way(backend, way, args, results)
+    return summarize(results, model.config, args)
+
+
+def _step_graphs(backend, **kwargs):
+    return compile_step(backend, mode="reduce-overhead", cuda_graphs="step", **kwargs)
+
+
+def _with_passes(passes: Callable[[], list], **kwargs) -> Callable:
+    return lambda backend: compile_step(backend, mode="reduce-overhead", passes=DSV4PassManager(passes()), **kwargs)
+
+
+# way -> (the setting its step is compiled and measured in, or None; backend -> the step)
+STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
+    "compiled_lean": (None, lambda b: compile_step(b, mode="reduce-overhead", model_guards=False)),
+    "compiled_step_graphs": (None, _step_graphs),
+    "compiled_step_graphs_pdl": (None, lambda b: _step_graphs(b, options={"triton.enable_pdl": True})),
+    # each step's graph captures hc_post, then hc_pre
+    "compiled_step_graphs_hc_post_apart": (lambda: posted_max_tokens(0), _step_graphs),
+    "compiled_step_graphs_all_lone_linears": (None, _with_passes(_lone_linears(1), cuda_graphs="step")),
+    "compiled_step_graphs_router_topk":
+        (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
+    "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),
+    "compiled_step_graphs_no_split_k": (lambda: linears_split_k(0), _step_graphs),
+    "compiled_step_graphs_shared_expert_apart": (lambda: shared_expert_in_op(False), _step_graphs),
+    **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
+}
+
+
+def measure_way(backend: ModelBackend, way: str, args, results: dict) -> None:
+    """Decode (and prefill) of ``backend`` the way ``way`` runs it, into ``results``."""
+    if way == "backend_eager":
+        measure_backend(backend, way, backend, args, results)
+    elif way == "compiled":
         counters.clear()
-        measure_backend(backend, "compiled", compile_step(backend, mode="reduce-overhead"), args, results)
+        measure_backend(backend, way, compile_step(backend, mode="reduce-overhead"), args, results)
         results["compiled_counters"] = {"frames": counters["stats"]["unique_graphs"],
                                         "graph_breaks": sum(counters["graph_break"].values()),
                                         "cudagraph_skips": counters["inductor"]["cudagraph_skips"]}
         print("compiled:", results["compiled_counters"], flush=True)
-    if "compiled_grouped" in args.ways:
+    elif way == "compiled_grouped":
         own = backend.model.config._experts_implementation
         backend.model.set_experts_implementation("grouped_mm")
-        measure_backend(backend, "compiled_grouped", compile_step(backend, mode="reduce-overhead"), args, results)
+        measure_backend(backend, way, compile_step(backend, mode="reduce-overhead"), args, results)
         backend.model.set_experts_implementation(own)
-    for way, variant in PASS_VARIANTS.items():
-        if way in args.ways:
-            passes = DSV4PassManager(variant())
-            measure_backend(backend, way, compile_step(backend, mode="reduce-overhead", passes=passes), args, results)
-    if "compiled_lean" in args.ways:
-        measure_backend(backend, "compiled_lean", compile_step(backend, mode="reduce-overhead", model_guards=False),
-                        args, results)
-    if "compiled_step_graphs" in args.ways:
-        measure_backend(backend, "compiled_step_graphs",
-                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
-    if "compiled_step_graphs_pdl" in args.ways:
-        measure_backend(backend, "compiled_step_graphs_pdl",
-                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
-                                     options={"triton.enable_pdl": True}), args, results)
-    if "compiled_step_graphs_hc_post_apart" in args.ways:
-        with posted_max_tokens(0):  # each step's graph captures hc_post, then hc_pre
-            measure_backend(backend, "compiled_step_graphs_hc_post_apart",
-                            compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
-    if "compiled_step_graphs_all_lone_linears" in args.ways:
-        measure_backend(backend, "compiled_step_graphs_all_lone_linears",
-                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step",
-                                     passes=DSV4PassManager(_lone_linears(1)())), args, results)
-    if "compiled_step_graphs_router_topk" in args.ways:
-        passes = DSV4PassManager([*default_passes(), ReplaceShortTopkPass()])
-        measure_backend(backend, "compiled_step_graphs_router_topk",
-                        compile_step(backend, mode="reduce-overhead", cuda_graphs="step", passes=passes), args, results)
-    if "compiled_step_graphs_no_prefetch" in args.ways:
-        with weight_prefetch(False):
-            measure_backend(backend, "compiled_step_graphs_no_prefetch",
-                            compile_step(backend, mode="reduce-overhead", cuda_graphs="step"), args, results)
-    return summarize(results, model.config, args)
+    else:
+        setting, build = STEP_WAYS[way]
+        with setting() if setting else nullcontext():
+            measure_backend(backend, way, build(backend), args, results)
 
 
 def summarize(results: dict, config: DeepseekV4Config, args) -> dict:

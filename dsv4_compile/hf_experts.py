@@ -9,6 +9,10 @@ step's few slots: ``ops/experts.py``) and weights and sums each token's slots as
 does (traced, so Inductor fuses it with the shared expert's sum); anywhere the op would not compute
 exactly what transformers computes (another device, tensor-parallel or quantised weights, another
 gate) it is transformers' own ``grouped_mm`` implementation.
+
+:func:`moe_forward` is a MoE block's forward (``DeepseekV4SparseMoeBlock.forward``) with the routed
+experts and the shared expert in one op, ``dsv4::moe_experts``: the model step calls it for each
+MoE layer; where the op would not compute what the block's own forward computes it calls the block.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from torch import nn
 from .ops._library import HAS_TRITON
 
 IMPLEMENTATION = "dsv4"
+# False: moe_forward always calls the block (the shared expert's three products apart from the
+# routed experts' launches); benchmarks compare the two
+SHARED_EXPERT_IN_OP = True
 
 
 def register() -> None:
@@ -52,9 +59,51 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
         from transformers.integrations.moe import grouped_mm_experts_forward
 
         return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
-    tokens, topk = top_k_index.shape
     slots = torch.ops.dsv4.routed_experts(hidden_states, top_k_index, self.gate_up_proj, self.down_proj,
                                           float(self.limit))
-    # transformers' own weighting and sum (same dtypes, same order): the grouped path's numerics
+    return _weighted_sum(slots, top_k_weights, hidden_states.dtype)
+
+
+def _weighted_sum(slots: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``slots [T * K, H]``, ``top_k_weights [T, K]`` -> ``[T, H]`` in ``dtype``: transformers' own
+    weighting and sum of a token's experts (same dtypes, same order: the grouped path's numerics)."""
+    tokens, topk = top_k_weights.shape
     weighted = slots.view(tokens, topk, -1) * top_k_weights.unsqueeze(-1)
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+    return weighted.sum(dim=1).to(dtype)
+
+
+def runs_moe_experts_op(block: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether ``dsv4::moe_experts`` computes the experts of ``block`` (a ``DeepseekV4SparseMoeBlock``
+    whose forward is transformers' own) on ``hidden_states [..., H]``: the routed experts as
+    :func:`runs_routed_experts_op` asks, through this implementation, and a shared expert that is
+    transformers' ``DeepseekV4MLP`` with plain weights of the activations' dtype, no bias, the
+    routed experts' SwiGLU limit."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP, DeepseekV4SparseMoeBlock
+
+    if not SHARED_EXPERT_IN_OP or type(block).forward is not DeepseekV4SparseMoeBlock.forward:
+        return False  # (a block of another kind may have neither experts nor a shared expert)
+    experts, shared = block.experts, block.shared_experts
+    if (type(shared) is not DeepseekV4MLP
+            or getattr(experts.config, "_experts_implementation", None) != IMPLEMENTATION
+            or not runs_routed_experts_op(experts, hidden_states)):
+        return False
+    projections = (shared.gate_proj, shared.up_proj, shared.down_proj)
+    return (all(type(p) is nn.Linear and p.bias is None and type(p.weight) in (torch.Tensor, nn.Parameter)
+                and p.weight.dtype == hidden_states.dtype for p in projections)
+            and shared.config.hidden_act == "silu" and shared.limit == experts.limit)
+
+
+def moe_forward(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``block(hidden_states, input_ids=input_ids)`` (``hidden_states [B, S, H]``, ``input_ids
+    [B, S]``) -> ``[B, S, H]``, composed as ``DeepseekV4SparseMoeBlock.forward`` composes it (the
+    block's router, the routed experts weighted and summed, plus the shared expert) with the two
+    kinds of experts in one ``dsv4::moe_experts``; the block itself where that op does not apply."""
+    if not runs_moe_experts_op(block, hidden_states):
+        return block(hidden_states, input_ids=input_ids)
+    _, weights, indices = block.gate(hidden_states, input_ids) if block.is_hash else block.gate(hidden_states)
+    experts, shared = block.experts, block.shared_experts
+    slots, shared_out = torch.ops.dsv4.moe_experts(
+        hidden_states.reshape(-1, hidden_states.shape[-1]), indices, experts.gate_up_proj, experts.down_proj,
+        float(experts.limit), shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    routed = _weighted_sum(slots, weights, hidden_states.dtype)
+    return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)

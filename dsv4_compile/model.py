@@ -117,13 +117,15 @@ def run_decoder(model: nn.Module, embeds: torch.Tensor, input_ids: torch.Tensor,
     ``[B, S, hc_mult, hidden]``, with ``attend(layer_index, x [B, S, hidden]) -> [B, S, hidden]`` in
     place of each layer's attention. Everything else is composed as ``DeepseekV4DecoderLayer.forward``
     composes it (hyper-connection collapse, norm, block, hyper-connection expand and mix, for the
-    attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops."""
+    attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops,
+    the MoE block through ``hf_experts.moe_forward`` (its experts in one op where that applies)."""
     h = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     mix = None  # (post, comb, block output) of the last block, not yet mixed into h
     for i, layer in enumerate(model.model.layers):
         # each block is called within this iteration, so its closure sees this layer
         for hc, block in ((layer.attn_hc, lambda x: attend(i, layer.input_layernorm(x))),
-                          (layer.ffn_hc, lambda x: layer.mlp(layer.post_attention_layernorm(x), input_ids=input_ids))):
+                          (layer.ffn_hc,
+                           lambda x: hf_experts.moe_forward(layer.mlp, layer.post_attention_layernorm(x), input_ids))):
             if mix is None:
                 post, comb, collapsed = hyper_connection.pre(hc, h)
             else:  # a block's mix and the next hyper-connection: one op

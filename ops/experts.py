@@ -1,17 +1,23 @@
-"""The routed experts of a MoE layer: ``dsv4::routed_experts``; and the choice of them,
-``dsv4::topk_indices``.
+"""The routed experts of a MoE layer: ``dsv4::routed_experts``, and with the shared expert,
+``dsv4::moe_experts``; and the choice of experts, ``dsv4::topk_indices``.
 
 The model does not call ``routed_experts`` directly: ``dsv4_compile.hf_experts`` registers it with
 transformers as the experts implementation ``"dsv4"``, which ``enable`` sets. On CUDA the op
 runs two Triton launches for a decode step's few slots (``ops/kernels/experts.py``) and a
 grouped GEMM over the slots sorted by expert for more (prefill); on other devices, the reference.
 
+``moe_experts`` adds the layer's shared expert (transformers' ``DeepseekV4MLP``), which every token
+passes through, to the same two launches as one more row of programs: the shared expert's
+products then stream beside the routed experts' instead of in three launches of their own, at a
+decode step's few tokens where each launch fills a fraction of the GPU. ``dsv4_compile.hf_experts``
+calls it in place of transformers' MoE block where it computes the same thing.
+
 ``topk_indices`` is the learned router's ``torch.topk(scores, k).indices`` over a layer's experts
 (256 in the released models) as one Triton program per row; a compiled step gets it from
 ``ReplaceShortTopkPass`` (``fx_passes/replace_short_topk.py``) when that pass is in its list.
 
 Shape legend: T tokens, K experts per token, S = T * K slots, E experts, H hidden size,
-I expert intermediate size.
+I expert intermediate size, IS the shared expert's.
 """
 
 from __future__ import annotations
@@ -29,19 +35,18 @@ if HAS_TRITON:
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_routed_experts(x, expert_ids, gate_up, down, limit) -> None:
-    op = "routed_experts"
+def _check_routed_experts(x, expert_ids, gate_up, down, limit, op: str = "routed_experts") -> None:
     check_tensor(op, "x", x, dtypes=ACTIVATION_DTYPES, ndim=2)
     check_tensor(op, "expert_ids", expert_ids, dtypes=INDEX_DTYPES, ndim=2, shape=(x.shape[0], None))
     check_tensor(op, "gate_up", gate_up, dtypes=(x.dtype,), ndim=3)
     num_experts, two_i, hidden = gate_up.shape
     check_positive(op, "gate_up's expert count", num_experts)
     if hidden != x.shape[1] or two_i % 2:
-        raise ValueError(f"dsv4.routed_experts: gate_up must be [E, 2I, H] with H = {x.shape[1]} (x's hidden "
+        raise ValueError(f"dsv4.{op}: gate_up must be [E, 2I, H] with H = {x.shape[1]} (x's hidden "
                          f"size), got shape {tuple(gate_up.shape)}")
     check_tensor(op, "down", down, dtypes=(x.dtype,), shape=(num_experts, hidden, two_i // 2))
     if not limit > 0:  # NaN included
-        raise ValueError(f"dsv4.routed_experts: limit={limit} must be > 0")
+        raise ValueError(f"dsv4.{op}: limit={limit} must be > 0")
     check_devices(op, x=x, expert_ids=expert_ids, gate_up=gate_up, down=down)
 
 
@@ -80,6 +85,41 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     ``gate_up [E, 2I, H]``, ``down [E, H, I]`` -> ``[T * K, H]`` (row ``t * K + k``: expert
     ``expert_ids[t, k]`` of token ``t``; 0 for an id outside ``[0, E)``), ``x``'s dtype."""
     return ref.routed_experts(x, expert_ids, gate_up, down, limit)
+
+
+def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down) -> None:
+    op = "moe_experts"
+    _check_routed_experts(x, expert_ids, gate_up, down, limit, op)
+    check_tensor(op, "shared_gate", shared_gate, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[1]))
+    check_tensor(op, "shared_up", shared_up, dtypes=(x.dtype,), shape=tuple(shared_gate.shape))
+    check_tensor(op, "shared_down", shared_down, dtypes=(x.dtype,), shape=(x.shape[1], shared_gate.shape[0]))
+    check_devices(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
+
+
+def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down):
+    return _routed_experts_fake(x, expert_ids, gate_up, down, limit), x.new_empty(x.shape)
+
+
+def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down):
+    if expert_ids.numel() <= kernels.MAX_SLOTS:
+        return kernels.launch_routed_experts(x, expert_ids, gate_up, down, limit,
+                                             shared=(shared_gate, shared_up, shared_down))
+    # a GEMM's worth of tokens: the grouped routed experts and cuBLAS's products, as transformers runs them
+    gate = F.linear(x, shared_gate).clamp(max=limit)
+    up = F.linear(x, shared_up).clamp(min=-limit, max=limit)
+    return grouped_routed_experts(x, expert_ids, gate_up, down, limit), F.linear(F.silu(gate) * up, shared_down)
+
+
+@dsv4_op("moe_experts", check=_check_moe_experts, fake=_moe_experts_fake,
+         cuda=_moe_experts_cuda if HAS_TRITON else None)
+def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
+                shared_gate: torch.Tensor, shared_up: torch.Tensor,
+                shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routed_experts(x, expert_ids, gate_up, down, limit)`` and the shared expert of every token:
+    ``shared_gate`` / ``shared_up [IS, H]``, ``shared_down [H, IS]`` of ``x``'s dtype ->
+    ``(slots [T * K, H], shared [T, H])``, ``x``'s dtype, each as the two computed apart."""
+    return (ref.routed_experts(x, expert_ids, gate_up, down, limit),
+            ref.shared_expert(x, shared_gate, shared_up, shared_down, limit))
 
 
 TOPK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -59,6 +59,15 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     return out
 
 
+def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
+                  limit: float) -> torch.Tensor:
+    """transformers' ``DeepseekV4MLP`` (the shared expert every token passes through):
+    ``x [T, H]``, ``gate`` / ``up [IS, H]``, ``down [H, IS]`` of ``x``'s dtype -> ``[T, H]``,
+    rounded as :func:`routed_experts` rounds an expert."""
+    gate_up = (x.float() @ torch.cat([gate, up]).float().T).to(x.dtype)
+    return (swiglu(gate_up, limit).float() @ down.float().T).to(x.dtype)
+
+
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """``scores [T, E]`` -> ``[T, k]`` int64: each row's ``k`` largest, in descending order, equal
     scores in column order (a stable sort: -0.0 equals +0.0; NaN ranks above every number)."""

@@ -273,3 +273,19 @@ def weight_prefetch(enabled: bool):
     from ..ops.kernels import linear
 
     return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)
+
+
+def linears_split_k(rows: int):
+    """While entered, ``dsv4::linears`` splits K for groups of up to ``rows`` weight rows
+    (``ops.kernels.linear.SPLIT_K_ROWS``; 0: never)."""
+    from ..ops.kernels import linear
+
+    return _kernel_setting(linear, "SPLIT_K_ROWS", rows)
+
+
+def shared_expert_in_op(enabled: bool):
+    """While entered, the model step runs each MoE layer's shared expert inside
+    ``dsv4::moe_experts`` (``hf_experts.SHARED_EXPERT_IN_OP``) or as the block's own three products."""
+    from .. import hf_experts
+
+    return _kernel_setting(hf_experts, "SHARED_EXPERT_IN_OP", enabled)

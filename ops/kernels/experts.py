@@ -59,60 +59,99 @@ def _slot_rows(ids_ptr, S, E, S_PAD: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, S, E, TOPK, H, I, limit,
-                    stride_x, stride_we, stride_wn, stride_h,
-                    S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
-    program ``i``'s expert ``e``."""
-    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
-    k_end = tl.where(served, H, 0)  # past the distinct experts: read nothing
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < I
-    x_rows = x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x
-    w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    w_up = w_gate + I * stride_wn
-    gate = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
-    up = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < H
-        x = tl.load(x_rows + ks[None, :], mask=hit[:, None] & k_ok[None, :], other=0.0)
-        wg = tl.load(w_gate + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        wu = tl.load(w_up + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        gate = tl.dot(x, tl.trans(wg), gate)
-        up = tl.dot(x, tl.trans(wu), up)
-    dtype = h_ptr.dtype.element_ty
-    # transformers' rounding points: the GEMM output, the clamps, SiLU and the product
+def _swiglu(gate, up, limit, dtype: tl.constexpr):
+    """fp32 gate and up products -> the hidden activations in ``dtype``, rounded at transformers'
+    rounding points: the GEMM output, the clamps, SiLU and the product."""
     gate = tl.minimum(gate.to(dtype).to(tl.float32), limit)
     up = tl.minimum(tl.maximum(up.to(dtype).to(tl.float32), -limit), limit)
     silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    hidden = (silu * up).to(dtype)
-    tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :], hidden,
-             mask=hit[:, None] & col_ok[None, :])
+    return (silu * up).to(dtype)
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, S, E, H, I,
+def _product_pair(a_rows, a_ok, w1_rows, w2_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """``(a @ w1.T, a @ w2.T)`` fp32 ``[S_PAD, BLOCK_N]`` each, over K: ``a_rows [S_PAD, 1]`` and the
+    weights' ``[BLOCK_N, 1]`` row pointers, masked by ``a_ok`` / ``w_ok``."""
+    acc1 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
+    acc2 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        w1 = tl.load(w1_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        w2 = tl.load(w2_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        acc1 = tl.dot(a, tl.trans(w1), acc1)
+        acc2 = tl.dot(a, tl.trans(w2), acc2)
+    return acc1, acc2
+
+
+@triton.jit
+def _product(a_rows, a_ok, w_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``a @ w.T`` fp32 ``[S_PAD, BLOCK_N]`` over K, as :func:`_product_pair` for one weight."""
+    acc = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < K
+        a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(w), acc)
+    return acc
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, T, S, E, TOPK, H, I, IS, limit,
+                    stride_x, stride_we, stride_wn, stride_h,
+                    S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+    """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
+    program ``i``'s expert ``e``. ``SHARED``: the last row of programs is the shared expert,
+    ``hs[t, n-tile] = swiglu(x[t] @ {sg, su}[n-tile].T)`` for every token (``sg``, ``su [IS, H]``)."""
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    dtype = h_ptr.dtype.element_ty
+    if SHARED and tl.program_id(0) == tl.num_programs(0) - 1:
+        tokens = tl.arange(0, S_PAD)
+        t_ok = tokens < T
+        col_ok = cols < IS
+        w_rows = cols.to(tl.int64)[:, None] * H
+        gate, up = _product_pair(x_ptr + tokens.to(tl.int64)[:, None] * stride_x, t_ok, sg_ptr + w_rows,
+                                 su_ptr + w_rows, col_ok, H, S_PAD, BLOCK_N, BLOCK_K)
+        tl.store(hs_ptr + tokens.to(tl.int64)[:, None] * IS + cols[None, :], _swiglu(gate, up, limit, dtype),
+                 mask=t_ok[:, None] & col_ok[None, :])
+    else:
+        slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+        col_ok = cols < I
+        w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        # past the distinct experts: read nothing
+        gate, up = _product_pair(x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x, hit, w_gate,
+                                 w_gate + I * stride_wn, col_ok, tl.where(served, H, 0), S_PAD, BLOCK_N, BLOCK_K)
+        tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :], _swiglu(gate, up, limit, dtype),
+                 mask=hit[:, None] & col_ok[None, :])
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S, E, H, I, IS,
                  stride_h, stride_we, stride_wn, stride_out,
-                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
     """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``i = 0``
-    programs also write zeros for slots whose id is outside ``[0, E)``."""
-    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
-    k_end = tl.where(served, I, 0)
+    programs also write zeros for slots whose id is outside ``[0, E)``. ``SHARED``: the last row of
+    programs is the shared expert, ``out_s[t, n-tile] = hs[t] @ sd[n-tile].T`` (``sd [H, IS]``)."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
-    h_rows = h_ptr + slots.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-    acc = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, k_end, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < I
-        h = tl.load(h_rows + ks[None, :], mask=hit[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc)
-    unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
-    tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_out + cols[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(hit | unowned)[:, None] & col_ok[None, :])
+    if SHARED and tl.program_id(0) == tl.num_programs(0) - 1:
+        tokens = tl.arange(0, S_PAD)
+        t_ok = tokens < T
+        acc = _product(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, sd_ptr + cols.to(tl.int64)[:, None] * IS,
+                       col_ok, IS, S_PAD, BLOCK_N, BLOCK_K)
+        tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
+                 mask=t_ok[:, None] & col_ok[None, :])
+    else:
+        slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+        w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        acc = _product(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, col_ok,
+                       tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K)
+        unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
+        tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_out + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=(hit | unowned)[:, None] & col_ok[None, :])
 
 
 # The TileConfig of (gate_up, down), by the most experts the slots can reach, min(E, S): with at
@@ -127,9 +166,12 @@ MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
 
 def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           limit: float, gate_up_config: TileConfig | None = None,
-                          down_config: TileConfig | None = None) -> torch.Tensor:
+                          down_config: TileConfig | None = None,
+                          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
     """The reference's ``routed_experts`` for ``T * K <= MAX_SLOTS`` slots: ``x [T, H]``,
     ``expert_ids [T, K]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]`` -> ``[T * K, H]`` of ``x``'s dtype.
+    ``shared = (gate [IS, H], up [IS, H], down [H, IS])``: a shared expert applied to every token in
+    the same two launches (a row of programs each); returns ``(slots, shared_out [T, H])``.
     The configs are ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; by default those above."""
     t, topk = expert_ids.shape
     s = t * topk
@@ -137,7 +179,7 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
         raise ValueError(f"launch_routed_experts: {s} slots, the kernels take at most {MAX_SLOTS}")
     num_experts, two_i, hidden = gate_up.shape
     # rows of programs: the distinct experts the slots can name (at least one: its programs write
-    # the zero rows of ids outside the experts)
+    # the zero rows of ids outside the experts), and the shared expert's
     reachable = max(1, min(num_experts, s))
     default = FEW_EXPERTS_CONFIGS if reachable <= FEW_EXPERTS else MANY_EXPERTS_CONFIGS
     gate_up_config, down_config = gate_up_config or default[0], down_config or default[1]
@@ -145,21 +187,29 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
     x, gate_up, down = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, gate_up, down))
     ids = expert_ids.reshape(-1).contiguous()
     out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
-    if s == 0:
-        return out
-    h = torch.empty(s, inter, dtype=x.dtype, device=x.device)
-    s_pad = max(DOT_MIN_ROWS, triton.next_power_of_2(s))
-    bn, bk, warps, stages = gate_up_config
-    _gate_up_kernel[(reachable, triton.cdiv(inter, bn))](
-        x, ids, gate_up, h, s, num_experts, topk, hidden, inter, float(limit),
-        x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-        S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages = down_config
-    _down_kernel[(reachable, triton.cdiv(hidden, bn))](
-        h, ids, down, out, s, num_experts, hidden, inter,
-        h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-        S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
-    return out
+    if shared is not None:
+        shared_gate, shared_up, shared_down = (w.contiguous() for w in shared)
+        shared_inter = shared_gate.shape[0]
+        shared_out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+        shared_h = torch.empty(t, shared_inter, dtype=x.dtype, device=x.device)
+    else:  # unread
+        shared_gate = shared_up = shared_down = shared_out = shared_h = x
+        shared_inter = 0
+    if s:
+        h = torch.empty(s, inter, dtype=x.dtype, device=x.device)
+        s_pad = max(DOT_MIN_ROWS, triton.next_power_of_2(s))
+        rows = reachable + (shared is not None)
+        bn, bk, warps, stages = gate_up_config
+        _gate_up_kernel[(rows, triton.cdiv(max(inter, shared_inter), bn))](
+            x, ids, gate_up, h, shared_gate, shared_up, shared_h, t, s, num_experts, topk, hidden, inter,
+            shared_inter, float(limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
+            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        bn, bk, warps, stages = down_config
+        _down_kernel[(rows, triton.cdiv(hidden, bn))](
+            h, ids, down, out, shared_h, shared_down, shared_out, t, s, num_experts, hidden, inter, shared_inter,
+            h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+    return out if shared is None else (out, shared_out)
 
 
 @triton.jit

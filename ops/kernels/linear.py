@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import has_pdl
+from .host import has_pdl, num_sms
 from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
 
 MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
@@ -53,6 +53,15 @@ WIDE_CONFIG = (64, 128, 4, 4)
 # The grouped o_a_proj (8 groups of 1024 x 4096): 18.6 µs at one row and 19.1 at eight against
 # 20.4 / 21.2 with DEEP_K_CONFIG (bench_ops.py --only linears).
 GROUPED_CONFIG = (32, 256, 4, 4)
+# A group of few rows at K >= DEEP_K (the sliding layer's q_a + kv: 1,536 rows, 48 programs of 32;
+# a MoE layer's router alone: 8 rows, one program) leaves most SMs idle while each program streams
+# whole rows. Up to SPLIT_K_ROWS rows the launch runs SPLIT_K_CONFIG's tiles with K split until
+# tiles x splits fill the SMs once. In the benchmark model's step on the H200: the router 9.8 ->
+# 5.0 µs, the sliding group 8.3 -> 7.5; the HCA group (2,560 rows) took 9.8 split against 8.5, and
+# larger groups, the grouped o_a_proj and the routed experts measured slower split too
+# (docs/perf-log.md).
+SPLIT_K_ROWS = 2048
+SPLIT_K_CONFIG = (64, 128, 4, 4)
 # Weight bytes per program requested into the L2 before the PDL wait (its rows' first K columns).
 # WEIGHT_PREFETCH False: launched without PDL or prefetch (benchmarks compare the two).
 PREFETCH_BYTES = 32768
@@ -60,11 +69,47 @@ WEIGHT_PREFETCH = True
 _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each
 
 
-def default_config(k: int, rows: int = 0) -> TileConfig:
-    """The launch tile for ``K = k`` input features and ``rows`` weight rows in all."""
+def default_config(k: int, rows: int = 0) -> tuple[TileConfig, bool]:
+    """``(tile, split_k)``: the launch tile for ``K = k`` input features and ``rows`` weight rows in
+    all, and whether the launch splits K."""
     if rows >= WIDE_ROWS:
-        return WIDE_CONFIG
-    return DEEP_K_CONFIG if k >= DEEP_K else SHALLOW_K_CONFIG
+        return WIDE_CONFIG, False
+    if k >= DEEP_K:
+        return (SPLIT_K_CONFIG, True) if rows <= SPLIT_K_ROWS else (DEEP_K_CONFIG, False)
+    return SHALLOW_K_CONFIG, False
+
+
+def _split_plan(tiles: int, k: int, block_k: int, device: torch.device) -> tuple[int, int]:
+    """``(split, k_per_split)``: K cut into whole ``block_k`` blocks until ``tiles`` x splits
+    fill the SMs once (``(1, k)`` when the tiles do)."""
+    k_blocks = triton.cdiv(k, block_k)
+    split = min(k_blocks, triton.cdiv(num_sms(device), tiles))
+    if split < 2:
+        return 1, k
+    k_per_split = triton.cdiv(k_blocks, split) * block_k
+    return triton.cdiv(k, k_per_split), k_per_split
+
+
+@triton.jit
+def _split_k_finish(acc, part_ptr, counters_ptr, tile, tiles, split, M, M_PAD: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+    """Split-K: this program's fp32 partial ``acc`` of ``tile`` stored to its slot of ``part
+    [split, tiles, M_PAD, BLOCK_N]`` (rows < M), its arrival counted on ``counters[tile]`` (0 at
+    launch). ``(last, total)``: the last of the tile's ``split`` programs gets True and the partials
+    summed in split order (the same sum whatever order the programs ran in); the others get False
+    and a total they must not use."""
+    m = tl.arange(0, M_PAD)
+    offs = m[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :]
+    rows_ok = (m < M)[:, None]
+    tl.store(part_ptr + (tl.program_id(1) * tiles + tile) * (M_PAD * BLOCK_N) + offs, acc, mask=rows_ok)
+    tl.debug_barrier()  # every thread's partial stored before the (one-thread) release below
+    last = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel", scope="gpu") == split - 1
+    total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    if last:
+        for s in range(split):  # written by other programs: read from the L2
+            total += tl.load(part_ptr + (s * tiles + tile) * (M_PAD * BLOCK_N) + offs, mask=rows_ok, other=0.0,
+                             cache_modifier=".cg")
+    return last, total
 
 
 def _aligned(w: torch.Tensor) -> torch.Tensor:
@@ -81,22 +126,24 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
 
 
 @triton.jit
-def _rows_product(x_ptr, stride_x, M, K, w_rows, row_ok, w_first, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
-    """``x [M, K] @ w_rows.T`` as an fp32 ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the
-    pointers to the program's weight rows (``row_ok`` masks those past the weight), streamed along
-    K once; x (unit stride along K, ``stride_x`` between rows) is padded to ``M_PAD`` rows.
-    ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns are
-    requested into the L2 (masked lanes ask for ``w_first``, the weight's first element), then the
-    program waits for its predecessor and triggers its dependents."""
+def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first, M_PAD: tl.constexpr,
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
+    """``x[:, ks] @ w_rows[:, ks].T`` for ``ks = [k_start, min(k_start + k_span, K))`` as an fp32
+    ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the pointers to the program's weight rows
+    (``row_ok`` masks those past the weight), streamed along K once; x (unit stride along K,
+    ``stride_x`` between rows) is padded to ``M_PAD`` rows. The loads are masked by ``K`` itself
+    (not the range's end): Triton knows K's divisibility and keeps them vectorised.
+    ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns of the
+    range are requested into the L2 (masked lanes ask for ``w_first``, the weight's first element),
+    then the program waits for its predecessor and triggers its dependents."""
     if PREFETCH_K > 0:
-        lines = tl.arange(0, PREFETCH_K // _LINE) * _LINE
+        lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
         prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
     dependent_launch(PREFETCH_K > 0)
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_start + k_span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
@@ -116,13 +163,14 @@ def _owner(pid, w, o, n, first, cur_w, cur_o, cur_n, cur_first):
 
 
 @triton.jit
-def _linears_kernel(x_ptr, M, K, stride_x,
+def _linears_kernel(x_ptr, M, K, stride_x, part_ptr, counters_ptr, tiles, split, k_per_split,
                     w0, o0, n0, t0, w1, o1, n1, t1, w2, o2, n2, t2, w3, o3, n3, t3,
                     w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7,
                     G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREFETCH_K: tl.constexpr):
-    """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns programs ``[t_g, t_{g+1})``:
-    ``o_g[:, tile] = x @ w_g[tile].T``."""
+                    PREFETCH_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns tiles ``[t_g, t_{g+1})``:
+    ``o_g[:, tile] = x @ w_g[tile].T``. Program ``(tile, s)`` takes K columns ``[s k_per_split,
+    +k_per_split)``; with ``SPLIT_K`` the tile's last program sums the ``split`` partials."""
     pid = tl.program_id(0)
     w, o, n, first = w0.to(tl.int64), o0.to(tl.int64), n0, t0
     if G > 1:
@@ -146,17 +194,26 @@ def _linears_kernel(x_ptr, M, K, stride_x,
     out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
-    acc = _rows_product(x_ptr, stride_x, M, K, w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, M_PAD,
-                         BLOCK_N, BLOCK_K, PREFETCH_K)
+    acc = _rows_product(x_ptr, stride_x, M, K, tl.program_id(1) * k_per_split, k_per_split,
+                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K)
     m = tl.arange(0, M_PAD)
-    tl.store(out_ptr + m[:, None] * n + rows[None, :], acc.to(dtype), mask=(m < M)[:, None] & row_ok[None, :])
+    out = out_ptr + m[:, None] * n + rows[None, :]
+    out_ok = (m < M)[:, None] & row_ok[None, :]
+    if SPLIT_K:
+        last, total = _split_k_finish(acc, part_ptr, counters_ptr, pid, tiles, split, M, M_PAD, BLOCK_N)
+        if last:
+            tl.store(out, total.to(dtype), mask=out_ok)
+    else:
+        tl.store(out, acc.to(dtype), mask=out_ok)
 
 
-def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None) -> list[torch.Tensor]:
+def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None,
+                   split_k: bool = False) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch: ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit
     stride along K), each ``w [N_g, K]`` contiguous of x's dtype, 1 to :data:`MAX_WEIGHTS` of
-    them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, by
-    default :func:`default_config` of K and the weights' rows."""
+    them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, and
+    ``split_k``: whether K may be split over programs; without a config both are
+    :func:`default_config`'s of K and the weights' rows."""
     m, k = x.shape
     if m > MAX_ROWS or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"launch_linears: {m} rows and {len(weights)} weights; the kernel takes at most "
@@ -165,19 +222,29 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
         x = x.contiguous()
     weights = [_aligned(w) for w in weights]  # outputs are fresh allocations, aligned too
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
-    block_n, block_k, warps, stages = config or default_config(k, sum(w.shape[0] for w in weights))
+    if config is None:
+        config, split_k = default_config(k, sum(w.shape[0] for w in weights))
+    block_n, block_k, warps, stages = config
     firsts = [0]
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
-    if m == 0 or k == 0 or firsts[-1] == 0:  # nothing to read (an empty K sums to 0)
+    tiles = firsts[-1]
+    if m == 0 or k == 0 or tiles == 0:  # nothing to read (an empty K sums to 0)
         return [o.zero_() for o in outs]
     args = []
     for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
-        args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, firsts[-1]]
-    prefetch_k = _pdl_prefetch_k(k, block_n, x.element_size(), x.device)
-    _linears_kernel[(firsts[-1],)](x, m, k, x.stride(0), *args, G=len(weights),
-                                   M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
-                                   num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
+        args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, tiles]
+    split, k_per_split = _split_plan(tiles, k, block_k, x.device) if split_k else (1, k)
+    # the partials' workspace and the tiles' arrival counters (zeroed per launch: a buffer kept
+    # between launches would be owned by the first CUDA graph whose warm-up made it); unread (x in
+    # their place) without a split
+    part = x.new_empty((split, tiles, MAX_ROWS, block_n), dtype=torch.float32) if split > 1 else x
+    counters = torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1 else x
+    prefetch_k = _pdl_prefetch_k(k_per_split, block_n, x.element_size(), x.device)
+    _linears_kernel[(tiles, split)](x, m, k, x.stride(0), part, counters, tiles, split, k_per_split, *args,
+                                    G=len(weights), M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+                                    PREFETCH_K=prefetch_k, SPLIT_K=split > 1, num_warps=warps, num_stages=stages,
+                                    launch_pdl=prefetch_k > 0)
     return outs
 
 
@@ -192,8 +259,8 @@ def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, w_rows, row_ok, w_ptr, M_PAD, BLOCK_N, BLOCK_K,
-                        PREFETCH_K)
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr, M_PAD, BLOCK_N,
+                        BLOCK_K, PREFETCH_K)
     m = tl.arange(0, M_PAD)
     out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
     tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])

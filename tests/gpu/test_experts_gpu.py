@@ -99,3 +99,78 @@ def test_a_quantised_or_sharded_weight_falls_back():
     assert hf_experts.runs_routed_experts_op(module, x)
     module.gate_up_proj = torch.nn.Parameter(module.gate_up_proj.detach().as_subclass(Wrapped))
     assert not hf_experts.runs_routed_experts_op(module, x)
+
+
+def _moe_block(layer_idx: int, hidden=1024, inter=512):
+    """A ``DeepseekV4SparseMoeBlock`` (layer 0: hash-routed, layer 1: learned router) of 8 experts,
+    2 a token, the shared expert of the same width, random weights some of whose gate / up values
+    pass the SwiGLU limit, with the backend's experts implementation."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    torch.manual_seed(layer_idx)
+    config = tiny_hf_config(hidden_size=hidden, moe_intermediate_size=inter, intermediate_size=inter,
+                            n_routed_experts=8, num_experts_per_tok=2)
+    block = DeepseekV4SparseMoeBlock(config, layer_idx).cuda()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.08)
+        if block.is_hash:
+            block.gate.tid2eid.copy_(torch.rand(config.vocab_size, 8, device="cuda").argsort(dim=1)[:, :2])
+    hf_experts.register()
+    config._experts_implementation = hf_experts.IMPLEMENTATION
+    return block.bfloat16().eval()
+
+
+@pytest.mark.parametrize("tokens", [1, 8, kernels.MAX_SLOTS // 2, 700])  # the kernels, then grouped GEMMs + cuBLAS
+@torch.no_grad()
+def test_moe_experts_op_equals_the_reference(module, tokens):
+    x, ids, _ = _route(module, tokens, seed=3)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    shared = [torch.randn(*shape, device="cuda", generator=g).mul_(std).bfloat16()
+              for shape, std in (((2048, 4096), 0.08), ((2048, 4096), 0.08), ((4096, 2048), 0.02))]
+    args = (x, ids, module.gate_up_proj, module.down_proj, module.limit)
+    slots, shared_out = torch.ops.dsv4.moe_experts(*args, *shared)
+    assert_bf16_close(slots, ref.routed_experts(*args))
+    assert_bf16_close(shared_out, ref.shared_expert(x, *shared, module.limit))
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
+@pytest.mark.parametrize("tokens", [1, 5, 40])
+@torch.no_grad()
+def test_moe_forward_equals_the_block(layer_idx, tokens):
+    block = _moe_block(layer_idx)
+    x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
+    input_ids = torch.randint(0, block.experts.config.vocab_size, (1, tokens), device="cuda")
+    assert hf_experts.runs_moe_experts_op(block, x)
+    got = hf_experts.moe_forward(block, x, input_ids)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert_bf16_close(got, block(x, input_ids=input_ids))
+
+
+@torch.no_grad()
+def test_moe_forward_falls_back_to_the_block():
+    """Another experts implementation, or a shared expert that is not transformers' own MLP: the
+    block's own forward, exactly."""
+    block = _moe_block(1)
+    x = torch.randn(1, 3, 1024, device="cuda").bfloat16()
+    ids = torch.zeros(1, 3, dtype=torch.long, device="cuda")
+    block.experts.config._experts_implementation = "grouped_mm"
+    assert not hf_experts.runs_moe_experts_op(block, x)
+    assert torch.equal(hf_experts.moe_forward(block, x, ids), block(x, input_ids=ids))
+    block.experts.config._experts_implementation = hf_experts.IMPLEMENTATION
+    block.shared_experts.__class__ = type("OtherMLP", (type(block.shared_experts),), {})
+    assert not hf_experts.runs_moe_experts_op(block, x)
+    assert torch.equal(hf_experts.moe_forward(block, x, ids), block(x, input_ids=ids))
+
+
+@torch.no_grad()
+def test_compiled_moe_forward_runs_the_op_without_breaks():
+    block = _moe_block(1)
+    x = torch.randn(1, 4, 1024, device="cuda").bfloat16()
+    ids = torch.zeros(1, 4, dtype=torch.long, device="cuda")
+    with fresh_compile_state():
+        compiled = torch.compile(lambda x, ids: hf_experts.moe_forward(block, x, ids), fullgraph=True,
+                                 options={"emulate_precision_casts": True})
+        got = compiled(x, ids)
+        assert sum(counters["graph_break"].values()) == 0
+    torch.testing.assert_close(got, hf_experts.moe_forward(block, x, ids), atol=0, rtol=0)

@@ -49,3 +49,18 @@ def test_grouped_linear_equals_bmm(rows):
     w = (torch.randn(8 * 1024, 4096, device="cuda", generator=g) * 0.02).bfloat16()
     want = torch.bmm(x.transpose(0, 1), w.view(8, 1024, 4096).transpose(1, 2)).transpose(0, 1)
     _assert_bf16_close(torch.ops.dsv4.grouped_linear(x, w), want)
+
+
+@torch.no_grad()
+def test_split_k_under_cudagraph_trees():
+    """A split launch (a small group: the default config splits it) under ``mode="reduce-overhead"``:
+    CUDA-graph trees' warm-up, recording and replays with new inputs, all correct."""
+    from tests.support.compile_checks import fresh_compile_state
+
+    w = torch.randn(1536, 4096, device="cuda").bfloat16() * 0.02
+    assert kernels.default_config(4096, 1536)[1]
+    with fresh_compile_state():
+        step = torch.compile(lambda x: torch.ops.dsv4.linears(x, [w])[0], mode="reduce-overhead", fullgraph=True)
+        for seed in range(4):
+            x = torch.randn(1, 4096, device="cuda", generator=torch.Generator("cuda").manual_seed(seed)).bfloat16()
+            _assert_bf16_close(step(x), x @ w.T)

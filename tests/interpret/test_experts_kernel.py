@@ -94,6 +94,38 @@ def test_op_on_device(device, tokens):
                                ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
 
 
+def _shared(hidden, inter, device, dtype, seed=3):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    gate, up = ((torch.randn(inter, hidden, generator=gen, device=device) * 0.4).to(dtype) for _ in range(2))
+    return gate, up, (torch.randn(hidden, inter, generator=gen, device=device) * 0.1).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, topk", [(1, 2), (5, 2), (16, 4)])
+@pytest.mark.parametrize("shared_inter", [32, 40, 24])  # as the routed experts', wider, narrower
+def test_shared_expert_in_the_same_launches(device, dtype, tokens, topk, shared_inter):
+    """A shared expert as the grids' last row of programs: its output is the reference's shared
+    expert for every token (widths that leave partial tiles, a column grid set by the wider of
+    the two), and the routed slots are those of the launch without it, bit for bit; an unowned id."""
+    gate_up, down = _weights(4, 48, 32, device, dtype)
+    x, ids = _inputs(tokens, topk, 4, 48, device, dtype)
+    ids[0, 0] = -1
+    shared = _shared(48, shared_inter, device, dtype)
+    slots, shared_out = kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL, shared=shared)
+    assert shared_out.shape == (tokens, 48) and shared_out.dtype == dtype
+    torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
+    assert torch.equal(slots, kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL))
+
+
+def test_shared_expert_with_default_configs(device):
+    gate_up, down = _weights(4, 64, 32, device, DTYPES[-1])
+    x, ids = _inputs(3, 2, 4, 64, device, DTYPES[-1])
+    shared = _shared(64, 32, device, DTYPES[-1])
+    slots, shared_out = torch.ops.dsv4.moe_experts(x, ids, gate_up, down, 10.0, *shared)
+    torch.testing.assert_close(slots, ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
+    torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, columns, k", [(1, 8, 2), (3, 256, 6), (2, 300, 32), (4, 1024, 1)])
 def test_topk_indices_kernel_matches_the_reference(device, dtype, rows, columns, k):

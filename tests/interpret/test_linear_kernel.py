@@ -114,3 +114,30 @@ def test_weight_prefetch_changes_no_value(device):
     prefetched = [*kernels.launch_linears(x, weights), kernels.launch_grouped_linear(xg, wg)]
     for got, want in zip(prefetched, plain):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("m", [1, 5, kernels.MAX_ROWS])
+@pytest.mark.parametrize("rows", [(40,), (16, 33, 8)])
+def test_split_k_matches_mm(device, m, rows):
+    """K split over programs (each tile's last program sums the partials): the products of
+    ``torch.mm``, the same bits on a second call, and an unsplit launch's up to the sum's order."""
+    gen = torch.Generator(device=device).manual_seed(7 * m)
+    x = torch.randn(m, 200, generator=gen, device=device).to(DTYPES[-1])
+    weights = [torch.randn(n, 200, generator=gen, device=device).to(x.dtype) for n in rows]
+    tiles = sum(-(-n // SMALL[0]) for n in rows)
+    assert kernels._split_plan(tiles, 200, SMALL[1], torch.device(device))[0] == 7  # 7 K blocks of 32, one a program
+    split = kernels.launch_linears(x, weights, SMALL, split_k=True)
+    again = kernels.launch_linears(x, weights, SMALL, split_k=True)
+    for out, out2, plain, w in zip(split, again, kernels.launch_linears(x, weights, SMALL), weights):
+        _close(out, x @ w.T)
+        _close(out, plain)
+        assert torch.equal(out, out2)
+
+
+def test_default_config_splits_only_small_groups_at_deep_k():
+    assert kernels.default_config(4096, 1536) == (kernels.SPLIT_K_CONFIG, True)  # sliding q_a + kv
+    assert kernels.default_config(4096, 8) == (kernels.SPLIT_K_CONFIG, True)  # a router alone
+    assert kernels.default_config(4096, 2560) == (kernels.DEEP_K_CONFIG, False)  # HCA hidden
+    assert kernels.default_config(4096, 4160) == (kernels.DEEP_K_CONFIG, False)  # CSA hidden
+    assert kernels.default_config(1024, 1536) == (kernels.SHALLOW_K_CONFIG, False)
+    assert kernels.default_config(4096, 129280) == (kernels.WIDE_CONFIG, False)

@@ -144,6 +144,17 @@ def test_routed_experts(tokens):
     _opcheck(ops.routed_experts, _experts_args(tokens, torch.float16))
 
 
+def _moe_experts_args(tokens: int, dtype=torch.bfloat16) -> tuple:
+    """``moe_experts`` arguments: ``_experts_args`` and a shared expert of intermediate 48."""
+    return (*_experts_args(tokens, dtype), torch.randn(48, 64).to(dtype), torch.randn(48, 64).to(dtype),
+            torch.randn(64, 48).to(dtype))
+
+
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_moe_experts(tokens):
+    _opcheck(ops.moe_experts, _moe_experts_args(tokens, torch.float16))
+
+
 @pytest.mark.parametrize("rows", [0, 3])
 def test_linears(rows):
     _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
@@ -235,6 +246,7 @@ def _calls(state) -> dict[str, tuple]:
                                KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
+        "moe_experts": _moe_experts_args(3),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
         "grouped_linear": (torch.randn(3, 2, 64).bfloat16(), torch.randn(16, 64).bfloat16()),
         "rms_norm": (torch.randn(3, 64).bfloat16(), torch.rand(64), 1e-6),
@@ -248,9 +260,9 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "linears", "grouped_linear",
-           "rms_norm", "rope_tail", "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post",
-           "hc_post_pre"]
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts", "linears",
+           "grouped_linear", "rms_norm", "rope_tail", "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head",
+           "hc_post", "hc_post_pre"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)

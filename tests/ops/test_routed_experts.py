@@ -124,3 +124,70 @@ def test_bad_arguments_name_themselves():
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             routed_experts(*args)
+
+
+def _shared_expert(seed=1, dtype=torch.bfloat16):
+    """transformers' ``DeepseekV4MLP`` of the tiny config (hidden 256, intermediate 128), weights
+    scaled so that some gate / up values pass the SwiGLU limit."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+
+    torch.manual_seed(seed)
+    module = DeepseekV4MLP(tiny_hf_config(intermediate_size=128))
+    with torch.no_grad():
+        for linear, std in ((module.gate_proj, 0.5), (module.up_proj, 0.5), (module.down_proj, 0.05)):
+            linear.weight.normal_(0, std)
+    return module.to(dtype).eval()
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 6])
+def test_moe_experts_reference_is_the_routed_experts_and_transformers_shared_expert(tokens):
+    experts, shared = _experts(), _shared_expert()
+    x, ids, _ = _route(tokens, 2, experts.num_experts)
+    weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+    slots, shared_out = torch.ops.dsv4.moe_experts(x, ids, experts.gate_up_proj, experts.down_proj, experts.limit,
+                                                   *weights)
+    assert torch.equal(slots, routed_experts(x, ids, experts.gate_up_proj, experts.down_proj, experts.limit))
+    assert shared_out.shape == (tokens, 256) and shared_out.dtype == torch.bfloat16
+    if tokens:
+        with torch.no_grad():
+            want = shared(x)
+        assert (want.float().abs().max() > 1.0) and (shared.gate_proj(x).float().abs().max() > experts.limit)
+        torch.testing.assert_close(shared_out, want, atol=2e-3, rtol=1.6e-2)
+
+
+def test_moe_experts_bad_shared_weights_name_themselves():
+    experts, shared = _experts(), _shared_expert()
+    x, ids, _ = _route(3, 2, experts.num_experts)
+    routed = (x, ids, experts.gate_up_proj.detach(), experts.down_proj.detach(), 10.0)
+    g, u, d = (w.detach() for w in (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight))
+    cases = [((g.half(), u, d), TypeError, "shared_gate must have dtype"),
+             ((g[:, :64], u, d), ValueError, "shared_gate has shape"),
+             ((g, u[:64], d), ValueError, "shared_up has shape"),
+             ((g, u, d.T.contiguous()), ValueError, "shared_down has shape"),
+             ((g, u, d.to("meta")), ValueError, "shared_down is on meta")]
+    for shared_weights, error, message in cases:
+        with pytest.raises(error, match=message):
+            torch.ops.dsv4.moe_experts(*routed, *shared_weights)
+
+
+def test_moe_forward_is_the_block_off_cuda():
+    """On the CPU ``moe_forward`` is the block's own forward (the op's kernels are CUDA's), exactly;
+    a module of another kind is called as it is."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
+
+    hf_experts.register()
+    config = tiny_hf_config()
+    config._experts_implementation = hf_experts.IMPLEMENTATION
+    torch.manual_seed(0)
+    block = DeepseekV4SparseMoeBlock(config, 1)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.05)
+    block = block.bfloat16().eval()
+    x = torch.randn(1, 5, config.hidden_size).bfloat16()
+    ids = torch.zeros(1, 5, dtype=torch.long)
+    assert not hf_experts.runs_moe_experts_op(block, x)
+    with torch.no_grad():
+        assert torch.equal(hf_experts.moe_forward(block, x, ids), block(x, input_ids=ids))
+    other = torch.nn.Identity()
+    assert not hf_experts.runs_moe_experts_op(other, x)
