@@ -69,10 +69,11 @@ def _swiglu(gate, up, limit, dtype: tl.constexpr):
 
 
 @triton.jit
-def _product_pair(a_rows, a_ok, w1_rows, w2_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+def _products(a_rows, a_ok, w1_rows, w2_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr, PAIR: tl.constexpr):
     """``(a @ w1.T, a @ w2.T)`` fp32 ``[S_PAD, BLOCK_N]`` each, over K: ``a_rows [S_PAD, 1]`` and the
-    weights' ``[BLOCK_N, 1]`` row pointers, masked by ``a_ok`` / ``w_ok``."""
+    weights' ``[BLOCK_N, 1]`` row pointers, masked by ``a_ok`` / ``w_ok``. Without ``PAIR`` only
+    ``w1`` is read and the second product is 0."""
     acc1 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -80,23 +81,11 @@ def _product_pair(a_rows, a_ok, w1_rows, w2_rows, w_ok, K, S_PAD: tl.constexpr, 
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
         w1 = tl.load(w1_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-        w2 = tl.load(w2_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = tl.dot(a, tl.trans(w1), acc1)
-        acc2 = tl.dot(a, tl.trans(w2), acc2)
+        if PAIR:
+            w2 = tl.load(w2_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            acc2 = tl.dot(a, tl.trans(w2), acc2)
     return acc1, acc2
-
-
-@triton.jit
-def _product(a_rows, a_ok, w_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """``a @ w.T`` fp32 ``[S_PAD, BLOCK_N]`` over K, as :func:`_product_pair` for one weight."""
-    acc = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < K
-        a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.dot(a, tl.trans(w), acc)
-    return acc
 
 
 @triton.jit
@@ -113,8 +102,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, T, S, 
         t_ok = tokens < T
         col_ok = cols < IS
         w_rows = cols.to(tl.int64)[:, None] * H
-        gate, up = _product_pair(x_ptr + tokens.to(tl.int64)[:, None] * stride_x, t_ok, sg_ptr + w_rows,
-                                 su_ptr + w_rows, col_ok, H, S_PAD, BLOCK_N, BLOCK_K)
+        gate, up = _products(x_ptr + tokens.to(tl.int64)[:, None] * stride_x, t_ok, sg_ptr + w_rows,
+                             su_ptr + w_rows, col_ok, H, S_PAD, BLOCK_N, BLOCK_K, True)
         tl.store(hs_ptr + tokens.to(tl.int64)[:, None] * IS + cols[None, :], _swiglu(gate, up, limit, dtype),
                  mask=t_ok[:, None] & col_ok[None, :])
     else:
@@ -122,8 +111,8 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, T, S, 
         col_ok = cols < I
         w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         # past the distinct experts: read nothing
-        gate, up = _product_pair(x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x, hit, w_gate,
-                                 w_gate + I * stride_wn, col_ok, tl.where(served, H, 0), S_PAD, BLOCK_N, BLOCK_K)
+        gate, up = _products(x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x, hit, w_gate,
+                             w_gate + I * stride_wn, col_ok, tl.where(served, H, 0), S_PAD, BLOCK_N, BLOCK_K, True)
         tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :], _swiglu(gate, up, limit, dtype),
                  mask=hit[:, None] & col_ok[None, :])
 
@@ -140,15 +129,16 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S
     if SHARED and tl.program_id(0) == tl.num_programs(0) - 1:
         tokens = tl.arange(0, S_PAD)
         t_ok = tokens < T
-        acc = _product(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, sd_ptr + cols.to(tl.int64)[:, None] * IS,
-                       col_ok, IS, S_PAD, BLOCK_N, BLOCK_K)
+        w_rows = sd_ptr + cols.to(tl.int64)[:, None] * IS
+        acc, _ = _products(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, w_rows, w_rows, col_ok, IS, S_PAD,
+                           BLOCK_N, BLOCK_K, False)
         tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & col_ok[None, :])
     else:
         slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
         w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        acc = _product(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, col_ok,
-                       tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K)
+        acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok,
+                           tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K, False)
         unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
         tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=(hit | unowned)[:, None] & col_ok[None, :])
