@@ -443,10 +443,6 @@ def run(args) -> dict:
             "results": results, "summary": summary}
 
 
-# the launcher's limits that force each path of the top-k select
-SELECT_LIMITS = {"row": {"_ROW_SELECT_MAX_CAPACITY": 1 << 62}, "split": {"_ROW_SELECT_MAX_CAPACITY": 0}}
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256], help="requests (rows) per step")
@@ -462,12 +458,12 @@ def main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="call each case once, no timing "
                         "(a smoke test; with --device cpu it runs under TRITON_INTERPRET=1)")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--select", choices=sorted(SELECT_LIMITS), help="force this path of the top-k select")
+    parser.add_argument("--select", choices=sorted(topk_select.PATH_LIMITS), help="force this path of the top-k select")
     parser.add_argument("--linear-tiles", nargs="*", default=[], metavar="NxKxWxS",
                         help="also time the linear kernels at these tiles (BLOCK_N x BLOCK_K x warps x stages)")
     args = parser.parse_args(argv)
     if args.select:
-        for name, limit in SELECT_LIMITS[args.select].items():
+        for name, limit in topk_select.PATH_LIMITS[args.select].items():
             setattr(topk_select, name, limit)
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_ops.py needs a CUDA device")

@@ -32,6 +32,12 @@ Everything is decided per row on the device:
   with its instructions out of cache, and on the H200 the unrolled passes (8.5k PTX lines at
   4 warps) took 19.5 µs a call there against 11.3 standalone; looped (3.3k lines at 8 warps),
   10.1 against 10.8 (``benchmarks/bench_model.py --profile``, b = 1, 1,056 entries, K = 512).
+* Decode-sized steps (few rows of at most ``_RANK_SELECT_MAX_CAPACITY`` entries):
+  ``_rank_select_kernel`` (grid ``[T, CAP / BLOCK_I]``) counts, for each entry, the entries ahead
+  of it in the row's order (key descending, index ascending) and writes the slot of each entry
+  ranked below K to ``out[q, rank]``: the selected slots in that order, no program waiting on
+  another. Its O(n^2) comparisons spread one row over the GPU, where the one-program select
+  leaves all but one SM idle (CSA layer of the model step, b = 1: 10 -> ~4 µs).
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -57,6 +63,20 @@ _MAX_SELECT_SPLITS = 64
 # cost more than the split passes' one once the row is long).
 _ROW_SELECT_MAX_CAPACITY = 2048
 _DIGIT_BITS = 8  # threshold bits a histogram pass of the one-program select finds (4 passes)
+# Decode-sized steps rank every entry against its whole row in parallel (``_rank_select_kernel``):
+# CAP^2 comparisons a row over CAP / BLOCK_I programs of _RANK_TILE each, for rows of at most
+# _RANK_SELECT_MAX_CAPACITY entries (one tile of keys) while rows x CAP^2 stays within
+# _RANK_SELECT_MAX_COMPARISONS. H200, ``indexer_topk`` µs (scan included) ranked against one program a row,
+# 1,024 entries: b = 1 5.7-6.1 against 11.0, b = 8 9.0-9.7 against 11.4, b = 16 13.2-13.5 against 11.6;
+# 2,048 entries: b = 1 7.2 against 13.8, b = 8 19.3-22.2 against 14.1 (the comparisons outgrow the GPU).
+_RANK_SELECT_MAX_CAPACITY = 2048
+_RANK_SELECT_MAX_COMPARISONS = 1 << 23
+_RANK_TILE = 16384
+_RANK_WARPS = 4
+# The launcher's limits that force each path (tests and benchmarks pin a path with them).
+PATH_LIMITS = {"rank": {"_RANK_SELECT_MAX_COMPARISONS": 1 << 62},
+               "row": {"_RANK_SELECT_MAX_COMPARISONS": 0, "_ROW_SELECT_MAX_CAPACITY": 1 << 62},
+               "split": {"_RANK_SELECT_MAX_CAPACITY": 0, "_ROW_SELECT_MAX_CAPACITY": 0}}
 
 
 def _row_select_warps(cap: int) -> int:
@@ -342,6 +362,33 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
     _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
 
 
+@triton.jit
+def _rank_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, num_pages, topk, stride_workspace,
+                        stride_pt, stride_out, CAP: tl.constexpr, BLOCK_I: tl.constexpr, PAGE: tl.constexpr,
+                        PDL: tl.constexpr):
+    """Entries ``i = [pid(1) BLOCK_I, +BLOCK_I)`` of row ``pid(0)`` (grid ``[T, CAP / BLOCK_I]``, rows
+    of at most ``CAP`` logits): each entry's rank in the row's order (key descending, index
+    ascending) counted against every visible entry at once, a ``[BLOCK_I, CAP]`` comparison; the
+    entries ranked below K are the top K, and each writes its slot to ``out[rank]``. No program waits
+    for another, so a decode step's row spreads over the GPU instead of one SM."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+    r = tl.program_id(0)
+    n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
+    i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    if n > topk:
+        row = workspace_ptr + r.to(tl.int64) * stride_workspace
+        j = tl.arange(0, CAP)
+        key_j = unsigned_key(tl.load(row + j, mask=j < n, other=0.0))[None, :]
+        key_i = unsigned_key(tl.load(row + i, mask=i < n, other=0.0))[:, None]
+        ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
+        rank = tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
+        take = (i < n) & (rank < topk)
+        tl.store(out_row + rank, _slot(pt_row, i, take, num_pages, PAGE), mask=take)
+    else:  # every visible entry in order, then -1
+        tl.store(out_row + i, tl.where(i < n, _slot(pt_row, i, i < n, num_pages, PAGE), -1), mask=i < topk)
+
+
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
                        visible: torch.Tensor, out: torch.Tensor, row0: int, topk: int, capacity: int,
                        num_pages: int, rows: int, pdl: bool = False) -> None:
@@ -364,8 +411,15 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
                                       workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
+    cap = triton.next_power_of_2(capacity)
+    if capacity <= _RANK_SELECT_MAX_CAPACITY and rows * cap * cap <= _RANK_SELECT_MAX_COMPARISONS:
+        block_i = max(1, min(cap, _RANK_TILE // cap))
+        _rank_select_kernel[(rows, triton.cdiv(max(cap, topk), block_i))](
+            workspace, visible, page_table, out, row0, capacity, num_pages, topk, workspace.stride(0),
+            page_table.stride(0), out.stride(0), CAP=cap, BLOCK_I=block_i, PAGE=page, PDL=pdl,
+            num_warps=_RANK_WARPS, launch_pdl=pdl)
+        return
     if capacity <= _ROW_SELECT_MAX_CAPACITY:
-        cap = triton.next_power_of_2(capacity)
         _row_select_kernel[(rows,)](workspace, visible, page_table, out, row0, capacity, num_pages, topk,
                                     workspace.stride(0), page_table.stride(0), out.stride(0), CAP=cap,
                                     BLOCK=_BLOCK, PAGE=page, DIGIT_BITS=_DIGIT_BITS, PDL=pdl,

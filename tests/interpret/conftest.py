@@ -29,12 +29,12 @@ def device():
     return "cpu" if INTERPRET else "cuda"
 
 
-@pytest.fixture(params=["row", "split"])
+@pytest.fixture(params=["rank", "row", "split"])
 def select_path(request, monkeypatch):
-    """Both paths of the top-k select: one program per row (short rows), or the three split
-    passes (longer rows; forced here by a row limit of 0)."""
+    """Every path of the top-k select: decode-sized steps rank each entry against its row, short
+    rows run in one program, longer rows in three split passes (each forced by the launcher's limits)."""
     from dsv4_compile.ops.kernels import topk_select
 
-    if request.param == "split":
-        monkeypatch.setattr(topk_select, "_ROW_SELECT_MAX_CAPACITY", 0)
+    for name, limit in topk_select.PATH_LIMITS[request.param].items():
+        monkeypatch.setattr(topk_select, name, limit)
     return request.param

@@ -165,25 +165,28 @@ def test_topk_int64_index_tensors(device):
 
 
 # -- the select alone ----------------------------------------------------------------------------
-def _ordered_slots(logits: torch.Tensor, page_table: torch.Tensor, n: int, topk: int) -> list[int]:
+def _ordered_slots(logits: torch.Tensor, page_table: torch.Tensor, n: int, topk: int, by_rank: bool = False
+                   ) -> list[int]:
     """The exact selection of one row: its ``topk`` largest logits of ``[0, n)`` (-0.0 below +0.0,
-    equal ones by index), as slots in index order, -1 padded to ``topk``."""
+    equal ones by index), as slots in index order (``by_rank``: in that order of the logits when
+    n > topk), -1 padded to ``topk``."""
     bits = logits[:n].view(torch.int32).long()
     key = torch.where(bits < 0, -bits - (1 << 31) - 1, bits)  # fp32 order, -0.0 below +0.0
     order = sorted(range(n), key=lambda j: (-int(key[j]), j))[:topk] if n > topk else range(n)
     page = layout.INDEX_PAGE_SIZE
-    slots = [int(page_table[j // page]) * page + j % page for j in sorted(order)]
+    slots = [int(page_table[j // page]) * page + j % page for j in (order if by_rank else sorted(order))]
     return slots + [-1] * (topk - len(slots))
 
 
 @settings(max_examples=40, deadline=None)
 @given(pages=st.integers(1, 5), visible=st.lists(st.integers(0, 5 * 64 + 9), min_size=1, max_size=3),
        topk=st.sampled_from([1, 16, 64, 100]), levels=st.sampled_from([2, 7, 1 << 20]),
-       signed_zeros=st.booleans(), path=st.sampled_from(["row", "split"]), seed=st.integers(0, 2 ** 16))
+       signed_zeros=st.booleans(), path=st.sampled_from(sorted(topk_select.PATH_LIMITS)), seed=st.integers(0, 2 ** 16))
 def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros, path, seed):
     """``launch_topk_select`` on a given logits workspace, each select path: the K largest of each
     row's visible prefix (ties by index, -0.0 below +0.0) as slots of the row's pages, -1 padded;
-    in index order on the one-program path, as a set on the split path."""
+    in index order on the one-program path, in the logits' order (ties by index) on the rank path,
+    as a set on the split path."""
     gen = torch.Generator().manual_seed(seed)
     rows, capacity = len(visible), pages * layout.INDEX_PAGE_SIZE
     logits = (torch.randint(0, levels, (rows, capacity), generator=gen) - levels // 2).float() / 3
@@ -193,27 +196,30 @@ def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros
     vis = torch.tensor(visible, dtype=torch.int32)
     minmax = torch.stack([logits.amin(1), logits.amax(1)], -1)[:, None]  # one scan split per row
     out = torch.full((rows, topk), 7, dtype=torch.int32)
-    limit = 1 << 62 if path == "row" else 0
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(topk_select, "_ROW_SELECT_MAX_CAPACITY", limit)
+        for name, limit in topk_select.PATH_LIMITS[path].items():
+            patch.setattr(topk_select, name, limit)
         tensors = [t.to(DEVICE) for t in (logits, minmax, page_table, vis, out)]
         topk_select.launch_topk_select(*tensors, row0=0, topk=topk, capacity=capacity, num_pages=rows * pages,
                                        rows=rows)
     got = tensors[-1].cpu()
     for r in range(rows):
-        want = _ordered_slots(logits[r], page_table[r], min(visible[r], capacity), topk)
+        want = _ordered_slots(logits[r], page_table[r], min(visible[r], capacity), topk, by_rank=path == "rank")
         taken = [v for v in want if v >= 0]
         assert got[r, len(taken):].eq(-1).all()  # -1 padding as a suffix
-        # the row path writes slots in index order; the split one those of higher buckets first
-        if path == "row":
+        # the split path writes the slots of higher buckets first, in no order within them
+        if path != "split":
             assert got[r].tolist() == want
         else:
             assert sorted(got[r, :len(taken)].tolist()) == sorted(taken)
 
 
+@pytest.mark.parametrize("path", ["rank", "row"])
 @pytest.mark.parametrize("special", [float("inf"), float("-inf")])
-def test_row_select_orders_infinities(device, special):
-    """The one-program select on a row holding infinities among finite logits."""
+def test_select_orders_infinities(device, special, path, monkeypatch):
+    """The rank and one-program selects on a row holding infinities among finite logits."""
+    for name, limit in topk_select.PATH_LIMITS[path].items():
+        monkeypatch.setattr(topk_select, name, limit)
     capacity, topk = 2 * layout.INDEX_PAGE_SIZE, 10
     logits = torch.arange(capacity, dtype=torch.float32).remainder(17)[None]
     logits[0, ::9] = special
@@ -222,4 +228,4 @@ def test_row_select_orders_infinities(device, special):
     topk_select.launch_topk_select(logits.to(device), None, page_table.to(device),
                                    torch.tensor([capacity], dtype=torch.int32, device=device), out, 0, topk,
                                    capacity, 2, 1)
-    assert out.cpu()[0].tolist() == _ordered_slots(logits[0], page_table[0], capacity, topk)
+    assert out.cpu()[0].tolist() == _ordered_slots(logits[0], page_table[0], capacity, topk, by_rank=path == "rank")
