@@ -117,27 +117,29 @@ def run_decoder(model: nn.Module, embeds: torch.Tensor, input_ids: torch.Tensor,
     ``[B, S, hc_mult, hidden]``, with ``attend(layer_index, x [B, S, hidden]) -> [B, S, hidden]`` in
     place of each layer's attention. Everything else is composed as ``DeepseekV4DecoderLayer.forward``
     composes it (hyper-connection collapse, norm, block, hyper-connection expand and mix, for the
-    attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops,
-    the MoE block through ``hf_experts.moe_forward`` (its experts in one op where that applies)."""
+    attention and for the MoE): the model's own modules, the hyper-connections through the mHC ops
+    (with the block's input norm where it is transformers' own), the MoE block through
+    ``hf_experts.moe_forward`` (its experts in one op where that applies)."""
     h = embeds.unsqueeze(2).expand(-1, -1, model.config.hc_mult, -1).contiguous()
     mix = None  # (post, comb, block output) of the last block, not yet mixed into h
     for i, layer in enumerate(model.model.layers):
-        # each block is called within this iteration, so its closure sees this layer
-        for hc, block in ((layer.attn_hc, lambda x: attend(i, layer.input_layernorm(x))),
-                          (layer.ffn_hc,
-                           lambda x: hf_experts.moe_forward(layer.mlp, layer.post_attention_layernorm(x), input_ids))):
+        # each block is called within this iteration, so its closure sees this layer; its input
+        # norm comes with the collapse (in the mHC op where it can)
+        for hc, norm, block in ((layer.attn_hc, layer.input_layernorm, lambda x: attend(i, x)),
+                                (layer.ffn_hc, layer.post_attention_layernorm,
+                                 lambda x: hf_experts.moe_forward(layer.mlp, x, input_ids))):
             if mix is None:
-                post, comb, collapsed = hyper_connection.pre(hc, h)
+                post, comb, normed = hyper_connection.pre(hc, h, norm)
             else:  # a block's mix and the next hyper-connection: one op
-                h, post, comb, collapsed = hyper_connection.post_pre(*mix, h, hc)
-            mix = (post, comb, block(collapsed))
+                h, post, comb, normed = hyper_connection.post_pre(*mix, h, hc, norm)
+            mix = (post, comb, block(normed))
     return h if mix is None else hyper_connection.post(*mix, h)
 
 
 def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
     """Logits ``[B, S, vocab]`` of hidden streams ``[B, S, hc_mult, hidden]``: the model's
     ``hc_head``, final ``norm`` and ``lm_head``."""
-    return model.lm_head(model.model.norm(hyper_connection.head(model.model.hc_head, streams)))
+    return model.lm_head(hyper_connection.head(model.model.hc_head, streams, model.model.norm))
 
 
 def check_model_inputs(backend, input_ids, step: StepInputs, logit_rows) -> None:

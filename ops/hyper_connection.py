@@ -7,6 +7,9 @@
 * ``dsv4::hc_post_pre``: a block's mix followed by the next hyper-connection (``hc_post`` then
   ``hc_pre``, as one block's output meets the next block), in the two launches of ``hc_pre``: the
   projection's programs make the new streams they read.
+* ``hc_pre``, ``hc_post_pre`` and ``hc_head`` take the RMSNorm that follows their collapse as an
+  option (``out_norm_weight [D]``, ``out_norm_eps``): the decoder layer normalises the block's input
+  and reads it nowhere else, so the op can return it normalised.
 * ``dsv4::sinkhorn``: the Sinkhorn-Knopp normalisation of the comb weights alone. Nothing calls it:
   ``FuseSinkhornPass`` (``fx_passes/fuse_sinkhorn.py``) puts it in place of the traced loop of
   ``2 iters - 1`` normalisations (a kernel each) where transformers' own hyper-connection code is
@@ -76,55 +79,71 @@ def _check_weights(op: str, x, fn, base, scale, mixes: int, scales: int, hc_eps,
             raise ValueError(f"dsv4.{op}: {name}={eps} must be >= 0")
 
 
-def _check_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps) -> None:
+def _check_out_norm(op: str, x, weight, eps) -> None:
+    """The block's RMSNorm that the collapse applies: ``weight [D]`` (fp32 or x's dtype) or None."""
+    if weight is None:
+        return
+    check_tensor(op, "out_norm_weight", weight, dtypes=(torch.float32, x.dtype), shape=(x.shape[-1],), ndim=1)
+    check_devices(op, x=x, out_norm_weight=weight)
+    if not eps >= 0:  # NaN included
+        raise ValueError(f"dsv4.{op}: out_norm_eps={eps} must be >= 0")
+
+
+def _check_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0) -> None:
     n, _ = _check_streams("hc_pre", x)
     _check_weights("hc_pre", x, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
     check_positive("hc_pre", "iters", iters)
+    _check_out_norm("hc_pre", x, out_norm_weight, out_norm_eps)
 
 
-def _hc_pre_fake(x, fn, base, scale, iters, hc_eps, norm_eps):
+def _hc_pre_fake(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
     lead, n, d = x.shape[:-2], x.shape[-2], x.shape[-1]
     return (x.new_empty((*lead, n), dtype=torch.float32), x.new_empty((*lead, n, n), dtype=torch.float32),
             x.new_empty((*lead, d)))
 
 
-def _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, norm_eps):
+def _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
     if x.shape[-2] > kernels.MAX_HC_N:
-        return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
-    return kernels.launch_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
+        return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    return kernels.launch_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm=(out_norm_weight, out_norm_eps))
 
 
 @dsv4_op("hc_pre", check=_check_hc_pre, fake=_hc_pre_fake, cuda=_hc_pre_cuda if HAS_TRITON else None)
 def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-           norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+           norm_eps: float, out_norm_weight: torch.Tensor | None = None,
+           out_norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The hyper-connection before a block (transformers' ``DeepseekV4HyperConnection.forward``):
     streams ``x [..., N, D]``, ``fn [(2 + N) N, N D]``, ``base [(2 + N) N]``, ``scale [3]`` ->
     ``post [..., N]`` fp32, ``comb [..., N, N]`` fp32 (Sinkhorn-normalised with ``iters`` steps),
-    the block's input ``collapsed [..., D]`` in ``x``'s dtype."""
-    return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps)
+    the block's input ``collapsed [..., D]`` in ``x``'s dtype. With ``out_norm_weight [D]``
+    (the block's RMSNorm, eps ``out_norm_eps``) the block's input comes out normalised."""
+    return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
 
 
-def _check_hc_head(x, fn, base, scale, hc_eps, norm_eps) -> None:
+def _check_hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0) -> None:
     n, _ = _check_streams("hc_head", x)
     _check_weights("hc_head", x, fn, base, scale, n, 1, hc_eps, norm_eps)
+    _check_out_norm("hc_head", x, out_norm_weight, out_norm_eps)
 
 
-def _hc_head_fake(x, fn, base, scale, hc_eps, norm_eps):
+def _hc_head_fake(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
     return x.new_empty((*x.shape[:-2], x.shape[-1]))
 
 
-def _hc_head_cuda(x, fn, base, scale, hc_eps, norm_eps):
+def _hc_head_cuda(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
     if x.shape[-2] > kernels.MAX_HC_N:
-        return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps)
-    return kernels.launch_hc_pre(x, fn, base, scale, 0, hc_eps, norm_eps, head=True)
+        return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    return kernels.launch_hc_pre(x, fn, base, scale, 0, hc_eps, norm_eps, head=True,
+                                 out_norm=(out_norm_weight, out_norm_eps))
 
 
 @dsv4_op("hc_head", check=_check_hc_head, fake=_hc_head_fake, cuda=_hc_head_cuda if HAS_TRITON else None)
 def hc_head(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
-            norm_eps: float) -> torch.Tensor:
+            norm_eps: float, out_norm_weight: torch.Tensor | None = None, out_norm_eps: float = 0.0) -> torch.Tensor:
     """The final collapse of the streams (transformers' ``DeepseekV4HyperHead.forward``):
-    ``x [..., N, D]``, ``fn [N, N D]``, ``base [N]``, ``scale [1]`` -> ``[..., D]`` in ``x``'s dtype."""
-    return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps)
+    ``x [..., N, D]``, ``fn [N, N D]``, ``base [N]``, ``scale [1]`` -> ``[..., D]`` in ``x``'s dtype;
+    normalised by the model's final RMSNorm when its ``out_norm_weight [D]`` is given, as ``hc_pre``."""
+    return ref.hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
 
 
 def _check_posted(op: str, post, comb, out, streams) -> None:
@@ -159,35 +178,43 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: 
     return ref.hc_post(post, comb, out, streams)
 
 
-def _check_hc_post_pre(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps) -> None:
+def _check_hc_post_pre(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None,
+                       out_norm_eps=0.0) -> None:
     _check_posted("hc_post_pre", post, comb, out, streams)
     n = streams.shape[-2]
     _check_weights("hc_post_pre", streams, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
     check_positive("hc_post_pre", "iters", iters)
+    _check_out_norm("hc_post_pre", streams, out_norm_weight, out_norm_eps)
 
 
-def _hc_post_pre_fake(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
-    return (streams.new_empty(streams.shape), *_hc_pre_fake(streams, fn, base, scale, iters, hc_eps, norm_eps))
+def _hc_post_pre_fake(post, comb, out, streams, *pre_args):
+    return (streams.new_empty(streams.shape), *_hc_pre_fake(streams, *pre_args))
 
 
-def _hc_post_pre_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
+def _hc_post_pre_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None,
+                      out_norm_eps=0.0):
     if streams.shape[-2] > kernels.MAX_HC_N:
-        return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps)
-    return kernels.launch_hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, posted=(post, comb, out))
+        return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps,
+                                      out_norm_weight, out_norm_eps)
+    return kernels.launch_hc_pre(streams, fn, base, scale, iters, hc_eps, norm_eps, posted=(post, comb, out),
+                                 out_norm=(out_norm_weight, out_norm_eps))
 
 
-def _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps):
+def _hc_post_pre_reference(post, comb, out, streams, *pre_args):
     new = ref.hc_post(post, comb, out, streams)
-    return (new, *ref.hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
+    return (new, *ref.hc_pre(new, *pre_args))
 
 
 @dsv4_op("hc_post_pre", check=_check_hc_post_pre, fake=_hc_post_pre_fake,
          cuda=_hc_post_pre_cuda if HAS_TRITON else None)
 def hc_post_pre(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor, fn: torch.Tensor,
-                base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
-                norm_eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float, norm_eps: float,
+                out_norm_weight: torch.Tensor | None = None,
+                out_norm_eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """``hc_post(post, comb, out, streams)`` followed by ``hc_pre`` of its result with the next
-    hyper-connection's ``fn``, ``base``, ``scale``, ``iters``, ``hc_eps``, ``norm_eps`` (arguments as
-    those two ops) -> ``new_streams [..., N, D]`` (``streams``' dtype), then ``hc_pre``'s ``post``,
-    ``comb`` and ``collapsed``; equal to the two ops called in turn."""
-    return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps)
+    hyper-connection's ``fn``, ``base``, ``scale``, ``iters``, ``hc_eps``, ``norm_eps`` and the next
+    block's ``out_norm_weight``, ``out_norm_eps`` (arguments as those two ops) -> ``new_streams
+    [..., N, D]`` (``streams``' dtype), then ``hc_pre``'s ``post``, ``comb`` and ``collapsed``; equal
+    to the two ops called in turn."""
+    return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps,
+                                  out_norm_weight, out_norm_eps)

@@ -15,8 +15,8 @@ Wall time (:func:`wall_call`): a call's wall seconds with the device work it que
 Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
 busy so that no call waits for it.
 
-Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`): the two ways of
-``dsv4::hc_post_pre``, and the projections with or without their PDL weight prefetch, side by side.
+Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
+:func:`shared_expert_in_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 """
 
 from __future__ import annotations
@@ -281,6 +281,14 @@ def linears_split_k(rows: int):
     from ..ops.kernels import linear
 
     return _kernel_setting(linear, "SPLIT_K_ROWS", rows)
+
+
+def norm_in_hc_op(enabled: bool):
+    """While entered, the model step applies each block's input norm (and the final norm) inside the
+    mHC op of its collapse (``hf_hyper_connection.NORM_IN_OP``) or as the norm module on its output."""
+    from .. import hf_hyper_connection
+
+    return _kernel_setting(hf_hyper_connection, "NORM_IN_OP", enabled)
 
 
 def shared_expert_in_op(enabled: bool):

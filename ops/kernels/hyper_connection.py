@@ -33,6 +33,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import INTERPRET
+from .primitives import prefetch_l2
+
 MAX_N = 64  # a program holds whole matrices in registers: up to 64 x 64 (hc_mult is 4)
 # hc_pre / hc_post hold a token's N x N comb and N streams of BLOCK_D columns in one program.
 MAX_HC_N = 16
@@ -50,6 +53,9 @@ _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
+# Columns a step of the norm's rewrite of a collapsed row (one program, one warp, after the row's
+# collapse programs): few L2 round trips, few enough registers.
+_NORM_BLOCK = 2048
 # hc_post_pre makes the new streams inside the projection up to this many tokens. On the H200, one
 # Flash-width op (bench_hyper_connection.py), µs in the projection against hc_post then hc_pre:
 # 8.9 / 9.7 at 1 token, 9.0 / 10.7 at 2, 10.8 / 11.1 at 3, 10.7 / 11.1 at 4, 14.5 / 11.4 at 6 and
@@ -136,17 +142,20 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
 
 
 @triton.jit
-def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, T, D, M,
+def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, counters_ptr, T, D, M,
                         k_per_split, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr):
+                        BLOCK_K: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr):
     """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)`` of K = N D) of tokens
     ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] = sum_k x[t, k] fn[m, k]`` and
     ``sq[s, t] = sum_k x[t, k]²``, fp32. ``POST``: ``x_ptr`` holds the streams before the previous
-    block's mix (``post_ptr``, ``comb_ptr``, ``out_ptr``); x is made from them and stored to ``new_ptr``."""
+    block's mix (``post_ptr``, ``comb_ptr``, ``out_ptr``); x is made from them and stored to ``new_ptr``.
+    ``NORM``: split 0 zeroes the tokens' arrival counters of ``_pre_finish_kernel``'s norm."""
     s = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
     t_ok, m_ok = t < T, m < M
+    if NORM:
+        tl.store(counters_ptr + t, tl.zeros([BLOCK_T], tl.int32), mask=t_ok & (s == 0))
     K = N * D
     # products accumulate elementwise and are reduced over k once, after the loop
     acc = tl.zeros([BLOCK_T, MP, BLOCK_K], tl.float32)
@@ -176,13 +185,38 @@ def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
 
 
 @triton.jit
+def _normalise_collapsed(out_ptr, collapsed, t, d_part, D, weight_ptr, eps, sq_ptr, counters_ptr,
+                         PARTS: tl.constexpr, PARTS_P2: tl.constexpr, NORM_BLOCK: tl.constexpr):
+    """The block's RMSNorm of row ``t`` of ``out [T, D]``, whose ``PARTS`` collapse programs each
+    hold their columns (``collapsed``, already rounded and stored): each stores its sum of squares
+    to ``sq [T, PARTS]`` and counts its arrival on ``counters[t]``; the last to arrive sums them in
+    part order and rewrites the row as the reference norm does: ``((x r) w)`` rounded, with
+    ``r = 1 / sqrt(mean(x²) + eps)``."""
+    v = collapsed.to(tl.float32)
+    tl.store(sq_ptr + t * PARTS + d_part, tl.sum(v * v, axis=0))
+    tl.debug_barrier()  # the row's columns and the sum stored before the (one-thread) release below
+    if tl.atomic_add(counters_ptr + t, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
+        parts = tl.arange(0, PARTS_P2)
+        total = tl.sum(tl.load(sq_ptr + t * PARTS + parts, mask=parts < PARTS, other=0.0, cache_modifier=".cg"), axis=0)
+        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + eps))
+        for d0 in range(0, D, NORM_BLOCK):  # written by the other programs: read from the L2
+            d = d0 + tl.arange(0, NORM_BLOCK)
+            x = tl.load(out_ptr + t * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
+            w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
+            tl.store(out_ptr + t * D + d, (x * r * w).to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@triton.jit
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                       T, D, SPLIT, inv_k, iters, hc_eps, norm_eps,
+                       norm_weight_ptr, norm_sq_ptr, counters_ptr,
+                       T, D, SPLIT, inv_k, iters, hc_eps, norm_eps, out_norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM_PARTS: tl.constexpr,
+                       NORM_PARTS_P2: tl.constexpr, NORM_BLOCK: tl.constexpr, INTERPRET_MODE: tl.constexpr):
     """Token ``t = pid(0)``: the partials of its ``SPLIT`` splits summed and scaled by the RMS
     factor; part ``pid(1)`` 0 (not for ``HEAD``) writes ``post [T, N]`` and ``comb [T, N, N]``, every
-    other part ``BLOCK_D`` columns of ``out [T, D]``."""
+    other part ``BLOCK_D`` columns of ``out [T, D]``. ``NORM_PARTS > 0`` (the collapse programs a
+    token has): ``out`` is RMS-normalised with ``norm_weight [D]`` (:func:`_normalise_collapsed`)."""
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -222,9 +256,16 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)) + hc_eps
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
+        if NORM_PARTS > 0 and not INTERPRET_MODE:
+            # the norm weight of these columns, for the row's last program (one request per 128-byte line)
+            lines = d_part * BLOCK_D + tl.arange(0, BLOCK_D // 32) * 32
+            prefetch_l2(norm_weight_ptr + lines, lines < D, norm_weight_ptr)
         xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        collapsed = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0)  # padding streams load as 0
-        tl.store(out_ptr + t * D + d, collapsed.to(out_ptr.dtype.element_ty), mask=d_ok)
+        collapsed = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)  # padding: 0
+        tl.store(out_ptr + t * D + d, collapsed, mask=d_ok)
+        if NORM_PARTS > 0:
+            _normalise_collapsed(out_ptr, collapsed, t, d_part, D, norm_weight_ptr, out_norm_eps, norm_sq_ptr,
+                                 counters_ptr, NORM_PARTS, NORM_PARTS_P2, NORM_BLOCK)
 
 
 def _mix_plan(tokens: int, k: int, m: int) -> tuple[int, int, int, int, int]:
@@ -240,13 +281,15 @@ def _mix_plan(tokens: int, k: int, m: int) -> tuple[int, int, int, int, int]:
 
 def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
                   hc_eps: float, norm_eps: float, head: bool = False,
-                  posted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                  posted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                  out_norm: tuple[torch.Tensor | None, float] = (None, 0.0)):
     """``x [..., N, D]`` (N <= :data:`MAX_HC_N`), ``fn [M, N D]``, ``base [M]``, ``scale`` as
     ``dsv4::hc_pre`` (``head=False``: returns ``post, comb, collapsed``) or ``dsv4::hc_head``
     (``head=True``: returns ``collapsed``). ``posted = (post, comb, out)``: ``dsv4::hc_post_pre``, x the
     streams before that mix; returns ``new_streams, post, comb, collapsed``. The projection makes the
     new streams up to :data:`POSTED_MAX_TOKENS` tokens when its K blocks divide D (D = 4096 of the
-    released models); otherwise ``_post_kernel`` makes them first."""
+    released models); otherwise ``_post_kernel`` makes them first. ``out_norm = (weight [D] or
+    None, eps)``: the block's RMSNorm, applied to ``collapsed`` by its collapse programs."""
     n, d = x.shape[-2:]
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
@@ -255,7 +298,7 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     mp, block_t, block_k, t_blocks, k_per_split = _mix_plan(tokens, k, m)
     if posted is not None and (d % block_k or tokens > POSTED_MAX_TOKENS):
         new = launch_hc_post(*posted, x)
-        return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps))
+        return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps, out_norm=out_norm))
     post = x.new_empty((*lead, n), dtype=torch.float32)
     comb = x.new_empty((*lead, n, n), dtype=torch.float32)
     out = x.new_empty((*lead, d))
@@ -266,15 +309,25 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
         dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
         sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
         mixed = [t.contiguous() for t in posted] if posted is not None else (xs, xs, xs)  # unread without POST
+        collapse_parts = triton.cdiv(d, _BLOCK_D)
+        norm_weight, out_norm_eps = out_norm
+        norm_parts = 0 if norm_weight is None else collapse_parts
+        # the norm's sums of squares and arrival counters (zeroed by the projection); unread without it
+        norm_sq = torch.empty((tokens, norm_parts), dtype=torch.float32, device=x.device) if norm_parts else sq
+        counters = torch.empty(tokens, dtype=torch.int32, device=x.device) if norm_parts else sq
         np2 = triton.next_power_of_2(n)
-        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, tokens, d, m, k_per_split, N=n,
-                                               NP=np2, BLOCK_T=block_t, BLOCK_K=block_k, MP=mp,
-                                               POST=posted is not None)
-        parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
-        _pre_finish_kernel[(tokens, parts)](streams, dots, sq, base, scale, post, comb, out, tokens, d, split,
-                                            1.0 / k, iters, hc_eps, norm_eps, N=n, NP=np2, MP=mp,
-                                            SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D, HEAD=head,
-                                            num_warps=1)
+        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, counters, tokens, d, m, k_per_split,
+                                               N=n, NP=np2, BLOCK_T=block_t, BLOCK_K=block_k, MP=mp,
+                                               POST=posted is not None, NORM=norm_parts > 0)
+        parts = collapse_parts + (0 if head else 1)
+        _pre_finish_kernel[(tokens, parts)](streams, dots, sq, base, scale, post, comb, out,
+                                            sq if norm_weight is None else norm_weight.contiguous(), norm_sq, counters,
+                                            tokens, d, split, 1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n,
+                                            NP=np2, MP=mp, SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D,
+                                            HEAD=head, NORM_PARTS=norm_parts,
+                                            NORM_PARTS_P2=triton.next_power_of_2(max(norm_parts, 1)),
+                                            NORM_BLOCK=min(_NORM_BLOCK, triton.next_power_of_2(d)),
+                                            INTERPRET_MODE=INTERPRET, num_warps=1)
     if head:
         return out
     return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)

@@ -7,7 +7,8 @@ import math
 
 import pytest
 import torch
-from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HyperConnection, DeepseekV4HyperHead
+from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4HyperConnection, DeepseekV4HyperHead,
+                                                                  DeepseekV4RMSNorm)
 
 from dsv4_compile import hf_hyper_connection as hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass
@@ -111,3 +112,26 @@ def test_hc_ops_equal_the_modules_at_flash_width(tokens):
     _close_to_one_rounding(got[0], ref.hc_post(post, comb, block_out, streams))
     for a, b in zip(got[1:], hc(got[0]), strict=True):
         _close_to_one_rounding(a, b)
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 333])
+@torch.no_grad()
+def test_the_block_norm_in_the_ops_at_flash_width(tokens, monkeypatch):
+    """The collapse RMS-normalised inside the ops (the block's input norm, the final norm) against
+    the norm module on the module's collapse: within one bf16 rounding step (the sum of squares
+    adds in another order). Called twice on fresh allocations, so a counter the projection failed
+    to zero would show."""
+    monkeypatch.setattr(hyper_connection, "NORM_IN_OP", True)
+    config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
+    hc, head = _flash_width(DeepseekV4HyperConnection(config)), _flash_width(DeepseekV4HyperHead(config))
+    norm = DeepseekV4RMSNorm(4096, eps=config.rms_norm_eps).cuda()
+    norm.weight.normal_(1.0, 0.2)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    streams = torch.randn(1, tokens, hc.hc_mult, 4096, device="cuda", generator=g).bfloat16()
+    for _ in range(2):
+        post, comb, normed = hyper_connection.pre(hc, streams, norm)
+        _close_to_one_rounding(normed, norm(hc(streams)[2]))
+        _close_to_one_rounding(hyper_connection.head(head, streams, norm), norm(head(streams)))
+        block_out = torch.randn(1, tokens, 4096, device="cuda", generator=g).bfloat16()
+        got = hyper_connection.post_pre(post, comb, block_out, streams, hc, norm)
+        _close_to_one_rounding(got[3], norm(hc(got[0])[2]))

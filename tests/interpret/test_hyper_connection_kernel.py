@@ -59,6 +59,14 @@ def _streams(lead, n, d, device, dtype=torch.float16, seed=1):
     return torch.randn(*lead, n, d, generator=gen, device=device).to(dtype)
 
 
+def _out_norm(d: int, device, normed: bool):
+    """The block's RMSNorm the collapse may apply: ``(weight [D] fp32, eps)``, or none."""
+    if not normed:
+        return None, 0.0
+    gen = torch.Generator(device=device).manual_seed(4)
+    return 1 + 0.2 * torch.randn(d, generator=gen, device=device), 1e-6
+
+
 def _assert_rounding_close(got, want):
     """fp32 outputs to 1e-5; outputs in the streams' dtype to one rounding step of their scale
     (the sums add in another order, which can move a value across a rounding boundary)."""
@@ -76,20 +84,27 @@ def _assert_rounding_close(got, want):
 @pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 64), ((1, 9), 4, 96), ((2, 3), 3, 40), ((17,), 4, 8), ((0,), 4, 64),
                                         ((1, 2), 4, 520)])
 @pytest.mark.parametrize("iters", [1, 20])
-def test_hc_pre_matches_reference(device, lead, n, d, iters):
+@pytest.mark.parametrize("normed", [False, True])
+def test_hc_pre_matches_reference(device, lead, n, d, iters, normed):
+    """With ``normed``, the collapse RMS-normalised by the block's norm (``d = 520``: two collapse
+    programs a token, 96: a partial one)."""
     fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
     x = _streams(lead, n, d, device)
-    got = kernels.launch_hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)
-    for g, w in zip(got, ref.hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)):
+    out_norm = _out_norm(d, device, normed)
+    got = kernels.launch_hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6, out_norm=out_norm)
+    for g, w in zip(got, ref.hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6, *out_norm), strict=True):
         _assert_rounding_close(g, w)
 
 
-@pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 40), ((0,), 4, 64)])
-def test_hc_head_matches_reference(device, lead, n, d):
+@pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 40), ((0,), 4, 64), ((2,), 4, 1100)])
+@pytest.mark.parametrize("normed", [False, True])
+def test_hc_head_matches_reference(device, lead, n, d, normed):
+    """With ``normed``, the model's final norm applied by the collapse (1100: three programs a token)."""
     fn, base, scale = _hc_weights(n, d, n, 1, device)
     x = _streams(lead, n, d, device)
-    _assert_rounding_close(kernels.launch_hc_pre(x, fn, base, scale, 0, 1e-6, 1e-6, head=True),
-                           ref.hc_head(x, fn, base, scale, 1e-6, 1e-6))
+    out_norm = _out_norm(d, device, normed)
+    _assert_rounding_close(kernels.launch_hc_pre(x, fn, base, scale, 0, 1e-6, 1e-6, head=True, out_norm=out_norm),
+                           ref.hc_head(x, fn, base, scale, 1e-6, 1e-6, *out_norm))
 
 
 @pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 600), ((0,), 4, 64)])
@@ -107,16 +122,20 @@ def test_hc_post_matches_reference(device, lead, n, d, dtype):
 @pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 256), ((1, 9), 4, 96), ((2, 3), 3, 64), ((17,), 4, 128),
                                         ((0,), 4, 64), ((1, 2), 4, 520)])
 @pytest.mark.parametrize("limit", [None, 64])
-def test_hc_post_pre_matches_reference(device, lead, n, d, limit):
+@pytest.mark.parametrize("normed", [False, True])
+def test_hc_post_pre_matches_reference(device, lead, n, d, limit, normed):
     """The new streams, then hc_pre of them, as the two references in turn; with the projection
-    making the streams up to the default token count and up to 64 tokens."""
+    making the streams up to the default token count and up to 64 tokens; with ``normed``, the
+    next block's norm applied to the collapse."""
     fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    out_norm = _out_norm(d, device, normed)
     streams = _streams(lead, n, d, device)
     post, comb, _ = ref.hc_pre(_streams(lead, n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
     out = _streams(lead, 1, d, device, seed=2)[..., 0, :]
     with posted_max_tokens(kernels.POSTED_MAX_TOKENS if limit is None else limit):
-        got = kernels.launch_hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, posted=(post, comb, out))
+        got = kernels.launch_hc_pre(streams, fn, base, scale, 20, 1e-6, 1e-6, posted=(post, comb, out),
+                                    out_norm=out_norm)
     _assert_rounding_close(got[0], ref.hc_post(post, comb, out, streams))
     # hc_pre's outputs of the kernel's own streams (which may differ from the reference's by a rounding)
-    for g, w in zip(got[1:], ref.hc_pre(got[0], fn, base, scale, 20, 1e-6, 1e-6), strict=True):
+    for g, w in zip(got[1:], ref.hc_pre(got[0], fn, base, scale, 20, 1e-6, 1e-6, *out_norm), strict=True):
         _assert_rounding_close(g, w)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4DecoderLayer, DeepseekV4HyperConnection,
-                                                                  DeepseekV4HyperHead)
+                                                                  DeepseekV4HyperHead, DeepseekV4RMSNorm)
 
 from dsv4_compile import hf_hyper_connection as hyper_connection
 from dsv4_compile.compile import compile_step
@@ -50,6 +50,47 @@ def test_hc_pre_and_hc_head_are_the_modules(hc_mult, lead, dtype):
         assert got.dtype == want.dtype and torch.equal(got, want)
     got, want = hyper_connection.head(head, x), head(x)
     assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+class _LoggedNorm(DeepseekV4RMSNorm):
+    calls = 0
+
+    def forward(self, hidden_states):
+        type(self).calls += 1
+        return super().forward(hidden_states)
+
+
+def _norm(config, cls=DeepseekV4RMSNorm) -> nn.Module:
+    norm = cls(config.hidden_size, eps=config.rms_norm_eps)
+    with torch.no_grad():
+        norm.weight.normal_(1.0, 0.2)
+    return norm
+
+
+@pytest.mark.parametrize("in_op", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@torch.no_grad()
+def test_the_block_norm_in_the_op_is_the_module(dtype, in_op, monkeypatch):
+    """``pre`` / ``post_pre`` / ``head`` with the next norm, in the op (its ``out_norm_weight``) or
+    after it: the norm module applied to the module's collapse, bit for bit; a norm class with its
+    own ``forward`` is called on the op's output either way."""
+    monkeypatch.setattr(hyper_connection, "NORM_IN_OP", in_op)
+    config = tiny_hf_config()
+    hc, head = _randomised(DeepseekV4HyperConnection(config)), _randomised(DeepseekV4HyperHead(config))
+    x, norm = _streams(config, 2, 3, dtype=dtype), _norm(config)
+    post, comb, collapsed = hc(x)
+    for got, want in zip(hyper_connection.pre(hc, x, norm), (post, comb, norm(collapsed)), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+    out = _streams(config, 2, 3, dtype=dtype, seed=2)[..., 0, :]
+    new = hyper_connection.post(post, comb, out, x)
+    want = (new, *hyper_connection.pre(hc, new, norm))
+    for got, w in zip(hyper_connection.post_pre(post, comb, out, x, hc, norm), want, strict=True):
+        assert torch.equal(got, w)
+    assert torch.equal(hyper_connection.head(head, x, norm), norm(head(x)))
+    logged, calls = _norm(config, _LoggedNorm), _LoggedNorm.calls
+    assert torch.equal(hyper_connection.pre(hc, x, logged)[2], DeepseekV4RMSNorm.forward(logged, collapsed))
+    assert torch.equal(hyper_connection.head(head, x, logged), DeepseekV4RMSNorm.forward(logged, head(x)))
+    assert _LoggedNorm.calls == calls + 2
 
 
 def test_no_tokens():
@@ -145,8 +186,10 @@ def test_a_module_with_its_own_forward_is_called():
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
+@pytest.mark.parametrize("norm_in_op", [False, True])
 @torch.no_grad()
-def test_model_step_runs_the_ops():
+def test_model_step_runs_the_ops(norm_in_op, monkeypatch):
+    """The step's logits with the norms in the mHC ops are bit for bit those with the norm modules."""
     layers = 2
     backend = enable(tiny_hf_model(config=tiny_hf_config(num_hidden_layers=layers)), max_requests=1, max_seq_len=256)
     passes = DSV4PassManager([FuseStepMetadataPass()])
@@ -154,6 +197,8 @@ def test_model_step_runs_the_ops():
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
     want = backend(ids, step, torch.arange(6)).float()
+    monkeypatch.setattr(hyper_connection, "NORM_IN_OP", norm_in_op)
+    assert torch.equal(backend(ids, step, torch.arange(6)).float(), want)
     with fresh_compile_state():
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
         assert graph_breaks() == 0
@@ -177,9 +222,11 @@ def _pre_args(config):
     (3, torch.zeros(3, device="meta"), ValueError, "scale is on meta"),
     (4, 0, ValueError, "iters=0"),
     (5, -1.0, ValueError, "hc_eps=-1.0"),
+    (7, torch.ones(100), ValueError, "out_norm_weight has shape"),
+    (7, torch.ones(256, dtype=torch.float16), TypeError, "out_norm_weight must have dtype"),
 ])
 def test_hc_pre_bad_arguments_are_named(index, value, error, match):
-    args = _pre_args(tiny_hf_config())
+    args = _pre_args(tiny_hf_config()) + [None, 1e-6]
     args[index] = value
     with pytest.raises(error, match=f"dsv4.hc_pre: {match}"):
         torch.ops.dsv4.hc_pre(*args)
@@ -205,3 +252,9 @@ def test_hc_head_hc_post_and_hc_post_pre_bad_arguments_are_named():
         torch.ops.dsv4.hc_post_pre(post, comb, out, x, pre_args[0][:, :8], *pre_args[1:])
     with pytest.raises(ValueError, match="dsv4.hc_post_pre: iters=0"):
         torch.ops.dsv4.hc_post_pre(post, comb, out, x, *pre_args[:3], 0, *pre_args[4:])
+    weight = torch.ones(config.hidden_size)
+    with pytest.raises(ValueError, match="dsv4.hc_post_pre: out_norm_eps=-1.0"):
+        torch.ops.dsv4.hc_post_pre(post, comb, out, x, *pre_args, weight, -1.0)
+    with pytest.raises(ValueError, match="dsv4.hc_head: out_norm_weight is on meta"):
+        torch.ops.dsv4.hc_head(x, head.hc_fn.data, head.hc_base.data, head.hc_scale.data, 1e-6, 1e-6,
+                               weight.to("meta"), 1e-6)

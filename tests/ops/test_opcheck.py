@@ -120,16 +120,21 @@ def _hyper_connection_args(tokens: int) -> dict[str, tuple]:
     x = torch.randn(1, tokens, 4, 64).bfloat16()
     fn, base, scale = torch.randn(24, 256) * 0.1, torch.randn(24), torch.randn(3)
     post, comb, out = ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
+    norm = (torch.rand(64) + 0.5, 1e-6)  # the block's RMSNorm, applied to the collapse
     return {"hc_pre": (x, fn, base, scale, 20, 1e-6, 1e-6),
+            "hc_pre_normed": (x, fn, base, scale, 20, 1e-6, 1e-6, *norm),
             "hc_head": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6),
+            "hc_head_normed": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6, *norm),
             "hc_post": (post, comb, out, x),
-            "hc_post_pre": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6)}
+            "hc_post_pre": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6),
+            "hc_post_pre_normed": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6, *norm)}
 
 
 @pytest.mark.parametrize("tokens", [0, 3])
-@pytest.mark.parametrize("op_name", ["hc_pre", "hc_head", "hc_post", "hc_post_pre"])
-def test_hyper_connection_ops(op_name, tokens):
-    _opcheck(getattr(ops, op_name), _hyper_connection_args(tokens)[op_name])
+@pytest.mark.parametrize("case", ["hc_pre", "hc_pre_normed", "hc_head", "hc_head_normed", "hc_post", "hc_post_pre",
+                                  "hc_post_pre_normed"])
+def test_hyper_connection_ops(case, tokens):
+    _opcheck(getattr(ops, case.removesuffix("_normed")), _hyper_connection_args(tokens)[case])
 
 
 def _experts_args(tokens: int, dtype=torch.bfloat16) -> tuple:
