@@ -43,6 +43,11 @@ def check_positive(op: str, name: str, value: int) -> None:
         raise ValueError(f"dsv4.{op}: {name}={value} must be positive")
 
 
+def check_non_negative(op: str, name: str, value: float) -> None:
+    if not value >= 0:  # NaN included
+        raise ValueError(f"dsv4.{op}: {name}={value} must be >= 0")
+
+
 def check_multiple_of(op: str, name: str, value: int, m: int) -> None:
     if value % m:
         raise ValueError(f"dsv4.{op}: {name}={value} must be a multiple of {m}")

@@ -105,9 +105,8 @@ def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_u
         return kernels.launch_routed_experts(x, expert_ids, gate_up, down, limit,
                                              shared=(shared_gate, shared_up, shared_down))
     # a GEMM's worth of tokens: the grouped routed experts and cuBLAS's products, as transformers runs them
-    gate = F.linear(x, shared_gate).clamp(max=limit)
-    up = F.linear(x, shared_up).clamp(min=-limit, max=limit)
-    return grouped_routed_experts(x, expert_ids, gate_up, down, limit), F.linear(F.silu(gate) * up, shared_down)
+    hidden = ref.gated_silu(F.linear(x, shared_gate), F.linear(x, shared_up), limit)
+    return grouped_routed_experts(x, expert_ids, gate_up, down, limit), F.linear(hidden, shared_down)
 
 
 @dsv4_op("moe_experts", check=_check_moe_experts, fake=_moe_experts_fake,

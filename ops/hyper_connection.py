@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import hyper_connection as ref
-from ._checks import check_devices, check_positive, check_tensor
+from ._checks import check_devices, check_non_negative, check_positive, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -38,8 +38,7 @@ def _check_sinkhorn(x, iters, eps) -> None:
         raise ValueError(f"dsv4.sinkhorn: x must be [..., N, N] (square in its last two dims), "
                          f"got shape {tuple(x.shape)}")
     check_positive("sinkhorn", "iters", iters)
-    if not eps >= 0:  # NaN included
-        raise ValueError(f"dsv4.sinkhorn: eps={eps} must be >= 0")
+    check_non_negative("sinkhorn", "eps", eps)
 
 
 def _sinkhorn_fake(x, iters, eps):
@@ -74,9 +73,8 @@ def _check_weights(op: str, x, fn, base, scale, mixes: int, scales: int, hc_eps,
     check_tensor(op, "base", base, dtypes=_STREAM_DTYPES, shape=(mixes,), ndim=1)
     check_tensor(op, "scale", scale, dtypes=_STREAM_DTYPES, shape=(scales,), ndim=1)
     check_devices(op, x=x, fn=fn, base=base, scale=scale)
-    for name, eps in (("hc_eps", hc_eps), ("norm_eps", norm_eps)):
-        if not eps >= 0:  # NaN included
-            raise ValueError(f"dsv4.{op}: {name}={eps} must be >= 0")
+    check_non_negative(op, "hc_eps", hc_eps)
+    check_non_negative(op, "norm_eps", norm_eps)
 
 
 def _check_out_norm(op: str, x, weight, eps) -> None:
@@ -85,8 +83,7 @@ def _check_out_norm(op: str, x, weight, eps) -> None:
         return
     check_tensor(op, "out_norm_weight", weight, dtypes=(torch.float32, x.dtype), shape=(x.shape[-1],), ndim=1)
     check_devices(op, x=x, out_norm_weight=weight)
-    if not eps >= 0:  # NaN included
-        raise ValueError(f"dsv4.{op}: out_norm_eps={eps} must be >= 0")
+    check_non_negative(op, "out_norm_eps", eps)
 
 
 def _check_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0) -> None:

@@ -26,7 +26,11 @@ def swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
     """``gate_up [S, 2I]`` (the activations' dtype) -> ``[S, I]``:
     ``silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)``, each step rounded to that dtype
     (transformers' ``DeepseekV4Experts._apply_gate``)."""
-    gate, up = gate_up.chunk(2, dim=-1)
+    return gated_silu(*gate_up.chunk(2, dim=-1), limit)
+
+
+def gated_silu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """:func:`swiglu` of the gate and up products given apart: ``[S, I]`` each -> ``[S, I]``."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 

@@ -288,12 +288,19 @@ def _select_candidates(workspace_row, cand_row, pt_row, out_row, above, num_cand
 
 
 @triton.jit
+def _store_in_order(pt_row, out_row, c, n, topk, num_pages, PAGE: tl.constexpr):
+    """A row of ``n <= topk`` visible entries, positions ``c`` of its output: the slot of entry
+    ``c`` for ``c < n``, -1 up to ``topk``."""
+    tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, num_pages, PAGE), -1), mask=c < topk)
+
+
+@triton.jit
 def _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK: tl.constexpr, PAGE: tl.constexpr):
     """``n <= topk``: the slots of every ``j < n`` in order; always: -1 after the last selected."""
     for c0 in range(0, topk, BLOCK):
         c = c0 + tl.arange(0, BLOCK)
         if n <= topk:
-            tl.store(out_row + c, tl.where(c < n, _slot(pt_row, c, c < n, num_pages, PAGE), -1), mask=c < topk)
+            _store_in_order(pt_row, out_row, c, n, topk, num_pages, PAGE)
         else:
             tl.store(out_row + c, tl.full([BLOCK], -1, tl.int32), mask=(c >= filled) & (c < topk))
 
@@ -385,8 +392,8 @@ def _rank_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity,
         rank = tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
         take = (i < n) & (rank < topk)
         tl.store(out_row + rank, _slot(pt_row, i, take, num_pages, PAGE), mask=take)
-    else:  # every visible entry in order, then -1
-        tl.store(out_row + i, tl.where(i < n, _slot(pt_row, i, i < n, num_pages, PAGE), -1), mask=i < topk)
+    else:
+        _store_in_order(pt_row, out_row, i, n, topk, num_pages, PAGE)
 
 
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
