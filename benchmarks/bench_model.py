@@ -59,9 +59,9 @@ orders or in separate processes):
     compiled_step_graphs_shared_expert_apart  whole-step graphs with each MoE layer's shared expert
                    run as the block runs it (three products) instead of inside ``dsv4::moe_experts``;
                    not in the default ``--ways``
-    compiled_step_graphs_norm_in_op  whole-step graphs with each block's input norm and the final norm
-                   applied inside the mHC op of its collapse (``hf_hyper_connection.NORM_IN_OP``) instead
-                   of as the norm module on its output; not in the default ``--ways``
+    compiled_step_graphs_norm_apart  whole-step graphs with each block's input norm and the final norm
+                   run as the norm module on the output of the mHC op of its collapse, not inside that op
+                   (``hf_hyper_connection.NORM_IN_OP`` off); not in the default ``--ways``
     compiled_step_graphs_router_topk  whole-step graphs with ``ReplaceShortTopkPass`` added to the
                    default passes (the learned routers' ``aten.topk`` as ``dsv4::topk_indices``); not in
                    the default ``--ways``
@@ -142,7 +142,7 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
         "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
-        "compiled_step_graphs_shared_expert_apart", "compiled_step_graphs_norm_in_op")
+        "compiled_step_graphs_shared_expert_apart", "compiled_step_graphs_norm_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -536,7 +536,7 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),
     "compiled_step_graphs_no_split_k": (lambda: linears_split_k(0), _step_graphs),
     "compiled_step_graphs_shared_expert_apart": (lambda: shared_expert_in_op(False), _step_graphs),
-    "compiled_step_graphs_norm_in_op": (lambda: norm_in_hc_op(True), _step_graphs),
+    "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }
 

@@ -4,8 +4,9 @@ The model step calls a layer's ``DeepseekV4HyperConnection`` as ``dsv4::hc_pre``
 own parameters (``fn``, ``base``, ``scale``) and settings, the decoder layer's mix as
 ``dsv4::hc_post`` (with the next hyper-connection, as ``dsv4::hc_post_pre``) and the model's
 ``DeepseekV4HyperHead`` as ``dsv4::hc_head``. The norm that follows a collapse (the block's input
-norm, the model's final norm) can go into the op too (:data:`NORM_IN_OP`) when it is transformers'
-``DeepseekV4RMSNorm`` with a plain weight; otherwise the norm module is called on the op's output.
+norm, the model's final norm) goes into the op too (:data:`NORM_IN_OP`, set by default) when it is
+transformers' ``DeepseekV4RMSNorm`` with a plain weight; otherwise the norm module is called on the
+op's output.
 The same formulas,
 op for op on the CPU (where the ops run their reference, bit for bit the module's result), two,
 one, two (three above four tokens) and two kernels on CUDA where Inductor makes about ten of the
@@ -20,11 +21,10 @@ import torch
 from torch import nn
 
 
-# Whether the ops apply the norm after a collapse; off by default, the norm module then runs on
-# the op's output. On the H200 (bench_model.py, b = 1) the fold took 13 of the step's 134 kernels
-# away and added 10 µs of GPU-active time: each collapse's last program rewrote its row after the
-# others, reading the norm weight from memory then (docs/perf-log.md).
-NORM_IN_OP = False
+# Whether the ops apply the norm after a collapse (else the norm module runs on the op's output).
+# On the H200 (bench_model.py, b = 1) the fold takes 13 of the step's 134 kernels away
+# (docs/perf-log.md).
+NORM_IN_OP = True
 
 
 def _plain(*params: torch.Tensor) -> bool:

@@ -9,14 +9,22 @@ rows with the next one over columns).
 ``dsv4::hc_pre`` / ``dsv4::hc_head``: two launches for what Inductor runs as about ten kernels.
 
 * ``_mix_partial_kernel``: the projection ``x [T, K] @ fn [M, K]ᵀ`` (K = N D) and each token's sum of
-  squares, split over K (``SPLIT`` programs per block of tokens, so a decode step's few tokens still
-  spread the ``M x K`` fp32 weights over the GPU) into fp32 partials ``[SPLIT, T, MP]``. The RMS norm is
+  squares, split over the D columns (``SPLIT`` programs per block of tokens, each taking its columns
+  of every stream, so a decode step's few tokens still spread the ``M x K`` fp32 weights over the
+  GPU) into fp32 partials ``[SPLIT, T, MP]``. The RMS norm is
   a per-token factor, so it is applied after the sum: ``(x r) fnᵀ = r (x fnᵀ)``. For
   ``dsv4::hc_post_pre`` (``POST``) a program first makes its columns of x from the previous block's
   mix, as ``_post_kernel`` does, and stores them: the previous ``hc_post`` costs no launch of its own.
 * ``_pre_finish_kernel``: per token, the partials summed; program 0 of a token turns them into
   ``post``, the softmax of ``comb`` and its Sinkhorn normalisation (one warp, in registers; absent for
   ``hc_head``); the others each collapse ``BLOCK_D`` columns of the streams with ``pre``.
+
+The block's RMSNorm after the collapse (``out_norm``) needs the whole collapsed row's sum of squares
+in every collapse program. ``sum_d (sum_i pre_i x_i[d])² = preᵀ G pre`` with ``G`` the streams'
+``N x N`` Gram matrix, which the projection's programs accumulate beside the mixes (they read every
+stream column anyway); so each collapse program normalises its own columns with no program waiting
+for another. The reference squares the collapse after its rounding to the streams' dtype, this the
+unrounded one: the normalised values agree to one rounding.
 
 ``dsv4::hc_post``: ``post ⊗ out + combᵀ @ streams`` in one pass over the streams, with the reference's
 roundings (weights, product, matrix product and sum each rounded to the streams' dtype).
@@ -33,8 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import INTERPRET
-from .primitives import prefetch_l2
+from .host import has_pdl
 
 MAX_N = 64  # a program holds whole matrices in registers: up to 64 x 64 (hc_mult is 4)
 # hc_pre / hc_post hold a token's N x N comb and N streams of BLOCK_D columns in one program.
@@ -45,17 +52,16 @@ MAX_HC_N = 16
 # 3.5 µs for one 4 x 4 matrix, against 41 µs for Inductor's 39 kernels).
 _TILE_ELEMS = 64
 _WARP_ELEMS = 256
-# Projection partials: a program's [BLOCK_T, MP, BLOCK_K] product tile holds _PRODUCT_ELEMS / MP
-# (token, k) pairs; about _MIX_PROGRAMS programs in all (four per SM of an H200), at most
-# _MAX_SPLIT splits of K (the finishing kernel sums them in one tile).
+# Projection partials: a program's [BLOCK_T, MP, NP, BLOCK_C] product tile holds _PRODUCT_ELEMS / MP
+# (token, k) pairs, at least _MIN_BLOCK_C columns of each stream; about _MIX_PROGRAMS programs in all
+# (four per SM of an H200), at most _MAX_SPLIT splits of the columns (the finishing kernel sums
+# them in one tile).
 _PRODUCT_ELEMS = 8192
+_MIN_BLOCK_C = 4
 _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
 _BLOCK_D = 512  # streams' columns per collapse / hc_post program
-# Columns a step of the norm's rewrite of a collapsed row (one program, one warp, after the row's
-# collapse programs): few L2 round trips, few enough registers.
-_NORM_BLOCK = 2048
 # hc_post_pre makes the new streams inside the projection up to this many tokens. On the H200, one
 # Flash-width op (bench_hyper_connection.py), µs in the projection against hc_post then hc_pre:
 # 8.9 / 9.7 at 1 token, 9.0 / 10.7 at 2, 10.8 / 11.1 at 3, 10.7 / 11.1 at 4, 14.5 / 11.4 at 6 and
@@ -118,63 +124,82 @@ def _rounded_mix(expanded, mixed, dt: tl.constexpr):
 
 
 @triton.jit
-def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, k0, D,
-                    N: tl.constexpr, NP: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Columns ``[k0, k0 + BLOCK_K)`` of the flattened next streams of tokens ``t [BLOCK_T]``, all in
-    stream ``i = k0 // D`` (``BLOCK_K`` divides D): ``new[t, i, d] = post[t, i] out[t, d] +
-    sum_j comb[t, j, i] streams[t, j, d]``, rounded as ``_post_kernel`` rounds, stored to ``new_ptr``
-    and returned as fp32 ``[BLOCK_T, BLOCK_K]`` (0 past the last stream)."""
+def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, d, d_ok, D,
+                    N: tl.constexpr, NP: tl.constexpr):
+    """Columns ``d [BLOCK_C]`` of every next stream of tokens ``t [BLOCK_T]``: ``new[t, j, d] =
+    post[t, j] out[t, d] + sum_l comb[t, l, j] streams[t, l, d]``, rounded as ``_post_kernel``
+    rounds, stored to ``new_ptr`` and returned as fp32 ``[BLOCK_T, NP, BLOCK_C]`` (0 past the last
+    stream and column)."""
     dt = new_ptr.dtype.element_ty
-    i = k0 // D
-    d = k0 - i * D + tl.arange(0, BLOCK_K)
     j = tl.arange(0, NP)
-    tok = t[:, None].to(tl.int64)
-    t_ok = t_ok[:, None] & (i < N)
-    post = tl.load(post_ptr + tok * N + i, mask=t_ok, other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, 1]
-    comb = tl.load(comb_ptr + tok * (N * N) + j[None, :] * N + i, mask=t_ok & (j < N)[None, :],
-                   other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, j]: comb[t, j, i]
-    streams = tl.load(streams_ptr + (tok[:, :, None] * N + j[None, :, None]) * D + d[None, None, :],
-                      mask=t_ok[:, :, None] & (j < N)[None, :, None], other=0.0).to(tl.float32)
-    block_out = tl.load(out_ptr + tok * D + d[None, :], mask=t_ok, other=0.0).to(tl.float32)
-    new = _rounded_mix(post * block_out, tl.sum(comb[:, :, None] * streams, axis=1), dt)
-    tl.store(new_ptr + tok * (N * D) + k0 + tl.arange(0, BLOCK_K)[None, :], new, mask=t_ok)
+    j_ok = j < N
+    tok = t[:, None, None].to(tl.int64)
+    ok = t_ok[:, None, None] & (j_ok[:, None] & d_ok[None, :])[None, :, :]  # [BLOCK_T, j, d]
+    post = tl.load(post_ptr + tok * N + j[None, :, None], mask=t_ok[:, None, None] & j_ok[None, :, None],
+                   other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, j, 1]
+    comb = tl.load(comb_ptr + tok * (N * N) + j[None, :, None] * N + j[None, None, :],
+                   mask=t_ok[:, None, None] & j_ok[None, :, None] & j_ok[None, None, :],
+                   other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, l, j]: comb[t, l, j]
+    offs = (tok * N + j[None, :, None]) * D + d[None, None, :]
+    streams = tl.load(streams_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_T, l, d]
+    block_out = tl.load(out_ptr + tok * D + d[None, None, :], mask=t_ok[:, None, None] & d_ok[None, None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_T, 1, d]
+    mixed = tl.sum(comb[:, :, :, None] * streams[:, :, None, :], axis=1)  # [BLOCK_T, j, d]
+    new = _rounded_mix(post * block_out, mixed, dt)
+    tl.store(new_ptr + offs, new, mask=ok)
     return new.to(tl.float32)
 
 
 @triton.jit
-def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, counters_ptr, T, D, M,
-                        k_per_split, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_K: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr):
-    """Split ``s = pid(1)`` (columns ``[s k_per_split, (s + 1) k_per_split)`` of K = N D) of tokens
-    ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] = sum_k x[t, k] fn[m, k]`` and
-    ``sq[s, t] = sum_k x[t, k]²``, fp32. ``POST``: ``x_ptr`` holds the streams before the previous
-    block's mix (``post_ptr``, ``comb_ptr``, ``out_ptr``); x is made from them and stored to ``new_ptr``.
-    ``NORM``: split 0 zeroes the tokens' arrival counters of ``_pre_finish_kernel``'s norm."""
+def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, gram_ptr, T, D, M,
+                        d_per_split, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_C: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr, GRAM: tl.constexpr):
+    """Split ``s = pid(1)`` (columns ``[s d_per_split, (s + 1) d_per_split)`` of every stream, so the
+    split's part of K = N D) of tokens ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] =
+    sum_k x[t, k] fn[m, k]`` and ``sq[s, t] = sum_k x[t, k]²`` over those k, fp32. ``POST``:
+    ``x_ptr`` holds the streams before the previous block's mix (``post_ptr``, ``comb_ptr``,
+    ``out_ptr``); x is made from them and stored to ``new_ptr``. ``GRAM``: also ``gram[s, t, i, j] =
+    sum_d x[t, i, d] x[t, j, d]`` (``[NP, NP]`` per token, padding 0): summed over the splits, the
+    streams' Gram matrix, whose quadratic form in the collapse weights is the collapse's sum of
+    squares."""
     s = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
-    t_ok, m_ok = t < T, m < M
-    if NORM:
-        tl.store(counters_ptr + t, tl.zeros([BLOCK_T], tl.int32), mask=t_ok & (s == 0))
+    i = tl.arange(0, NP)
+    t_ok, m_ok, i_ok = t < T, m < M, i < N
     K = N * D
-    # products accumulate elementwise and are reduced over k once, after the loop
-    acc = tl.zeros([BLOCK_T, MP, BLOCK_K], tl.float32)
-    sq = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
-    k_start = s * k_per_split
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
+    rows = t[:, None, None].to(tl.int64) * K
+    # the product's columns flattened, stream-major (c = i BLOCK_C + column), so that it reduces
+    # over one axis; products accumulate elementwise and are reduced once, after the loop
+    c = tl.arange(0, NP * BLOCK_C)
+    acc = tl.zeros([BLOCK_T, MP, NP * BLOCK_C], tl.float32)
+    sq = tl.zeros([BLOCK_T, NP * BLOCK_C], tl.float32)
+    gram = tl.zeros([BLOCK_T, NP, NP, BLOCK_C], tl.float32)
+    d_start = s * d_per_split
+    for d0 in range(d_start, d_start + d_per_split, BLOCK_C):
+        d = d0 + tl.arange(0, BLOCK_C)
+        d_ok = d < D
         if POST:
-            xv = _posted_streams(x_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, k0, D, N, NP, BLOCK_K)
+            xv = _posted_streams(x_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, d, d_ok, D, N, NP)
         else:
-            xv = tl.load(x_ptr + t[:, None].to(tl.int64) * K + k[None, :], mask=t_ok[:, None] & k_ok[None, :],
-                         other=0.0).to(tl.float32)
-        w = tl.load(fn_ptr + m[:, None] * K + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += xv[:, None, :] * w[None, :, :]
-        sq += xv * xv
+            k = i[:, None] * D + d[None, :]  # [NP, BLOCK_C]: the columns of x
+            xv = tl.load(x_ptr + rows + k[None, :, :], mask=t_ok[:, None, None] & (i_ok[:, None] & d_ok[None, :])[None],
+                         other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_C]
+        k_flat = (c // BLOCK_C) * D + d0 + c % BLOCK_C
+        k_ok = (c // BLOCK_C < N) & (d0 + c % BLOCK_C < D)
+        w = tl.load(fn_ptr + m[:, None] * K + k_flat[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [MP, NP BLOCK_C]
+        x_flat = tl.reshape(xv, [BLOCK_T, NP * BLOCK_C])
+        acc += x_flat[:, None, :] * w[None, :, :]
+        sq += x_flat * x_flat
+        if GRAM:
+            gram += xv[:, :, None, :] * xv[:, None, :, :]
     row = (s * T + t).to(tl.int64)
     tl.store(dots_ptr + row[:, None] * MP + m[None, :], tl.sum(acc, axis=2), mask=t_ok[:, None])
     tl.store(sq_ptr + row, tl.sum(sq, axis=1), mask=t_ok)
+    if GRAM:
+        tl.store(gram_ptr + row[:, None, None] * (NP * NP) + (i[:, None] * NP + i[None, :])[None, :, :],
+                 tl.sum(gram, axis=3), mask=t_ok[:, None, None])
 
 
 @triton.jit
@@ -185,38 +210,19 @@ def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
 
 
 @triton.jit
-def _normalise_collapsed(out_ptr, collapsed, t, d_part, D, weight_ptr, eps, sq_ptr, counters_ptr,
-                         PARTS: tl.constexpr, PARTS_P2: tl.constexpr, NORM_BLOCK: tl.constexpr):
-    """The block's RMSNorm of row ``t`` of ``out [T, D]``, whose ``PARTS`` collapse programs each
-    hold their columns (``collapsed``, already rounded and stored): each stores its sum of squares
-    to ``sq [T, PARTS]`` and counts its arrival on ``counters[t]``; the last to arrive sums them in
-    part order and rewrites the row as the reference norm does: ``((x r) w)`` rounded, with
-    ``r = 1 / sqrt(mean(x²) + eps)``."""
-    v = collapsed.to(tl.float32)
-    tl.store(sq_ptr + t * PARTS + d_part, tl.sum(v * v, axis=0))
-    tl.debug_barrier()  # the row's columns and the sum stored before the (one-thread) release below
-    if tl.atomic_add(counters_ptr + t, 1, sem="acq_rel", scope="gpu") == PARTS - 1:
-        parts = tl.arange(0, PARTS_P2)
-        total = tl.sum(tl.load(sq_ptr + t * PARTS + parts, mask=parts < PARTS, other=0.0, cache_modifier=".cg"), axis=0)
-        r = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + eps))
-        for d0 in range(0, D, NORM_BLOCK):  # written by the other programs: read from the L2
-            d = d0 + tl.arange(0, NORM_BLOCK)
-            x = tl.load(out_ptr + t * D + d, mask=d < D, other=0.0, cache_modifier=".cg").to(tl.float32)
-            w = tl.load(weight_ptr + d, mask=d < D, other=0.0).to(tl.float32)
-            tl.store(out_ptr + t * D + d, (x * r * w).to(out_ptr.dtype.element_ty), mask=d < D)
-
-
-@triton.jit
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
-                       norm_weight_ptr, norm_sq_ptr, counters_ptr,
-                       T, D, SPLIT, inv_k, iters, hc_eps, norm_eps, out_norm_eps,
+                       norm_weight_ptr, gram_ptr, T, D, SPLIT, inv_k, iters, hc_eps, norm_eps, out_norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM_PARTS: tl.constexpr,
-                       NORM_PARTS_P2: tl.constexpr, NORM_BLOCK: tl.constexpr, INTERPRET_MODE: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Token ``t = pid(0)``: the partials of its ``SPLIT`` splits summed and scaled by the RMS
     factor; part ``pid(1)`` 0 (not for ``HEAD``) writes ``post [T, N]`` and ``comb [T, N, N]``, every
-    other part ``BLOCK_D`` columns of ``out [T, D]``. ``NORM_PARTS > 0`` (the collapse programs a
-    token has): ``out`` is RMS-normalised with ``norm_weight [D]`` (:func:`_normalise_collapsed`)."""
+    other part ``BLOCK_D`` columns of ``out [T, D]``. ``NORM``: ``out`` RMS-normalised with
+    ``norm_weight [D]``, its sum of squares the quadratic form of the streams' Gram matrix (the
+    ``gram`` partials) in the collapse weights: each program knows it without waiting for the
+    others. ``PDL``: the kernel after it (launched with PDL, waiting for this grid before it reads)
+    may launch at once, its set-up and weight prefetch overlapping this kernel."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
     s = tl.arange(0, SP)
@@ -256,27 +262,28 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)) + hc_eps
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
-        if NORM_PARTS > 0 and not INTERPRET_MODE:
-            # the norm weight of these columns, for the row's last program (one request per 128-byte line)
-            lines = d_part * BLOCK_D + tl.arange(0, BLOCK_D // 32) * 32
-            prefetch_l2(norm_weight_ptr + lines, lines < D, norm_weight_ptr)
         xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         collapsed = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)  # padding: 0
+        if NORM:
+            ij = n[:, None] * NP + n[None, :]
+            gram = tl.sum(tl.load(gram_ptr + (s * T + t)[:, None, None] * (NP * NP) + ij[None, :, :],
+                                  mask=s_ok[:, None, None], other=0.0), axis=0)  # [NP, NP], padding 0
+            total = tl.maximum(tl.sum(tl.sum(gram * pre[:, None] * pre[None, :], axis=1), axis=0), 0.0)
+            r_out = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + out_norm_eps))
+            w = tl.load(norm_weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+            collapsed = (collapsed.to(tl.float32) * r_out * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * D + d, collapsed, mask=d_ok)
-        if NORM_PARTS > 0:
-            _normalise_collapsed(out_ptr, collapsed, t, d_part, D, norm_weight_ptr, out_norm_eps, norm_sq_ptr,
-                                 counters_ptr, NORM_PARTS, NORM_PARTS_P2, NORM_BLOCK)
 
 
-def _mix_plan(tokens: int, k: int, m: int) -> tuple[int, int, int, int, int]:
-    """``(MP, BLOCK_T, BLOCK_K, token blocks, k_per_split)`` of the projection of ``tokens`` rows of
-    K = ``k`` by ``m`` mix weights."""
+def _mix_plan(tokens: int, d: int, n: int, m: int) -> tuple[int, int, int, int, int]:
+    """``(MP, BLOCK_T, BLOCK_C, token blocks, d_per_split)`` of the projection of ``tokens`` rows of
+    ``n`` streams of ``d`` columns by ``m`` mix weights."""
     mp = triton.next_power_of_2(m)
     block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tokens, 1)))
-    block_k = max(16, _PRODUCT_ELEMS // (mp * block_t))
+    block_c = max(_MIN_BLOCK_C, _PRODUCT_ELEMS // (mp * block_t * triton.next_power_of_2(n)))
     t_blocks = triton.cdiv(tokens, block_t)
-    split = max(1, min(_MAX_SPLIT, triton.cdiv(k, block_k), _MIX_PROGRAMS // max(t_blocks, 1)))
-    return mp, block_t, block_k, t_blocks, triton.cdiv(triton.cdiv(k, split), block_k) * block_k
+    split = max(1, min(_MAX_SPLIT, triton.cdiv(d, block_c), _MIX_PROGRAMS // max(t_blocks, 1)))
+    return mp, block_t, block_c, t_blocks, triton.cdiv(triton.cdiv(d, split), block_c) * block_c
 
 
 def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -287,16 +294,15 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     ``dsv4::hc_pre`` (``head=False``: returns ``post, comb, collapsed``) or ``dsv4::hc_head``
     (``head=True``: returns ``collapsed``). ``posted = (post, comb, out)``: ``dsv4::hc_post_pre``, x the
     streams before that mix; returns ``new_streams, post, comb, collapsed``. The projection makes the
-    new streams up to :data:`POSTED_MAX_TOKENS` tokens when its K blocks divide D (D = 4096 of the
-    released models); otherwise ``_post_kernel`` makes them first. ``out_norm = (weight [D] or
+    new streams up to :data:`POSTED_MAX_TOKENS` tokens; above, ``_post_kernel`` makes them first. ``out_norm = (weight [D] or
     None, eps)``: the block's RMSNorm, applied to ``collapsed`` by its collapse programs."""
     n, d = x.shape[-2:]
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
     tokens, k, m = xs.shape[0], n * d, fn.shape[0]
-    mp, block_t, block_k, t_blocks, k_per_split = _mix_plan(tokens, k, m)
-    if posted is not None and (d % block_k or tokens > POSTED_MAX_TOKENS):
+    mp, block_t, block_c, t_blocks, d_per_split = _mix_plan(tokens, d, n, m)
+    if posted is not None and tokens > POSTED_MAX_TOKENS:
         new = launch_hc_post(*posted, x)
         return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps, out_norm=out_norm))
     post = x.new_empty((*lead, n), dtype=torch.float32)
@@ -305,29 +311,24 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     # the streams the collapse reads: x, or the ones the projection's programs make and store
     streams = xs if posted is None else torch.empty_like(xs)
     if tokens:
-        split = triton.cdiv(k, k_per_split)
+        split = triton.cdiv(d, d_per_split)
         dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
         sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
         mixed = [t.contiguous() for t in posted] if posted is not None else (xs, xs, xs)  # unread without POST
-        collapse_parts = triton.cdiv(d, _BLOCK_D)
         norm_weight, out_norm_eps = out_norm
-        norm_parts = 0 if norm_weight is None else collapse_parts
-        # the norm's sums of squares and arrival counters (zeroed by the projection); unread without it
-        norm_sq = torch.empty((tokens, norm_parts), dtype=torch.float32, device=x.device) if norm_parts else sq
-        counters = torch.empty(tokens, dtype=torch.int32, device=x.device) if norm_parts else sq
+        normed = norm_weight is not None
         np2 = triton.next_power_of_2(n)
-        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, counters, tokens, d, m, k_per_split,
-                                               N=n, NP=np2, BLOCK_T=block_t, BLOCK_K=block_k, MP=mp,
-                                               POST=posted is not None, NORM=norm_parts > 0)
-        parts = collapse_parts + (0 if head else 1)
+        # the streams' Gram matrix partials for the norm; unread without it
+        gram = torch.empty((split, tokens, np2 * np2), dtype=torch.float32, device=x.device) if normed else sq
+        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, gram, tokens, d, m, d_per_split,
+                                               N=n, NP=np2, BLOCK_T=block_t, BLOCK_C=block_c, MP=mp,
+                                               POST=posted is not None, GRAM=normed)
+        parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
         _pre_finish_kernel[(tokens, parts)](streams, dots, sq, base, scale, post, comb, out,
-                                            sq if norm_weight is None else norm_weight.contiguous(), norm_sq, counters,
+                                            norm_weight.contiguous() if normed else sq, gram,
                                             tokens, d, split, 1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n,
                                             NP=np2, MP=mp, SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D,
-                                            HEAD=head, NORM_PARTS=norm_parts,
-                                            NORM_PARTS_P2=triton.next_power_of_2(max(norm_parts, 1)),
-                                            NORM_BLOCK=min(_NORM_BLOCK, triton.next_power_of_2(d)),
-                                            INTERPRET_MODE=INTERPRET, num_warps=1)
+                                            HEAD=head, NORM=normed, PDL=has_pdl(x.device), num_warps=1)
     if head:
         return out
     return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)

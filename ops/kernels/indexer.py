@@ -40,13 +40,12 @@ from .primitives import hadamard_pm1, to_e4m3_bits
 from .topk_select import launch_topk_select
 
 _SCAN_PROGRAMS = 4096  # programs the logits scan aims for (~31 per H200 SM: more pages in flight)
-# Pages per scan program at least: latency-bound scans (fewer than _LARGE_SCAN_PAGES pages in a
-# chunk) spread wide, larger ones amortise each program's setup. H200, µs with 4 / 8 pages:
-# b=1 at 8k 3.7 / 5.2, b=1 at 128k 4.1 / 5.4; b=256 at 8k 22.7 / 20.9, b=32 at 128k 42.8 / 40.1,
-# b=4 at 1M 44.7 / 42.1 (b=256 at 128k and b=32 at 1M: capped by _SCAN_PROGRAMS, unchanged).
-_MIN_SCAN_PAGES = 4
-_MIN_SCAN_PAGES_LARGE = 8
-_LARGE_SCAN_PAGES = 4096
+# Pages per scan program at least, by the pages a chunk scans (the first bound at or above them):
+# latency-bound scans spread wide, larger ones amortise each program's setup. H200, µs with 4 / 8
+# pages: b=1 at 8k 3.7 / 5.2, b=1 at 128k 4.1 / 5.4; b=256 at 8k 22.7 / 20.9, b=32 at 128k 42.8 /
+# 40.1, b=4 at 1M 44.7 / 42.1 (b=256 at 128k and b=32 at 1M: capped by _SCAN_PROGRAMS, unchanged).
+# Scan and select of one row of 16 / 32 pages with 1, 2 and 4 pages: 5.1, 5.4, 6.1 / 7.0, 7.2, 7.2.
+_MIN_SCAN_PAGES = ((64, 1), (4095, 4), (float("inf"), 8))
 _HALF = tl.constexpr(INDEX_HEAD_DIM // 2)
 _DIM = tl.constexpr(INDEX_HEAD_DIM)
 _FP8_MAX = tl.constexpr(layout.FP8_MAX)
@@ -164,7 +163,7 @@ def indexer_workspace(num_rows: int, capacity: int, device) -> tuple[torch.Tenso
     min / max ``[C, S, 2] fp32`` (``C`` rows bounded by ``_WORKSPACE_ELEMS``; ``S`` splits)."""
     chunk = max(1, min(num_rows, _WORKSPACE_ELEMS // capacity))
     pages = capacity // layout.INDEX_PAGE_SIZE
-    min_pages = _MIN_SCAN_PAGES if chunk * pages < _LARGE_SCAN_PAGES else _MIN_SCAN_PAGES_LARGE
+    min_pages = next(least for bound, least in _MIN_SCAN_PAGES if chunk * pages <= bound)
     splits = max(1, min(pages // min_pages, triton.cdiv(_SCAN_PROGRAMS, chunk)))
     return (torch.empty(chunk, capacity, dtype=torch.float32, device=device),
             torch.empty(chunk, splits, 2, dtype=torch.float32, device=device))

@@ -117,8 +117,8 @@ def test_hc_post_matches_reference(device, lead, n, d, dtype):
     _assert_rounding_close(kernels.launch_hc_post(post, comb, out, streams), ref.hc_post(post, comb, out, streams))
 
 
-# K blocks that divide D (the projection makes the streams; a whole and a partial token block, N = 3)
-# and one that does not (520: the mix runs first, as hc_post)
+# the projection makes the streams: a whole and a partial token block, N = 3, columns that fill whole
+# blocks of a split and not (520)
 @pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 256), ((1, 9), 4, 96), ((2, 3), 3, 64), ((17,), 4, 128),
                                         ((0,), 4, 64), ((1, 2), 4, 520)])
 @pytest.mark.parametrize("limit", [None, 64])
