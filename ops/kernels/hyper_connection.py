@@ -24,7 +24,9 @@ in every collapse program. ``sum_d (sum_i pre_i x_i[d])² = preᵀ G pre`` with 
 ``N x N`` Gram matrix, which the projection's programs accumulate beside the mixes (they read every
 stream column anyway); so each collapse program normalises its own columns with no program waiting
 for another. The reference squares the collapse after its rounding to the streams' dtype, this the
-unrounded one: the normalised values agree to one rounding.
+unrounded one: the normalised values agree to one rounding. Where streams cancel, the form is a
+difference of larger terms and its fp32 sum loses ~2^-24 times their ratio to it (a collapse ten
+times smaller than its streams still agrees to a rounding).
 
 ``dsv4::hc_post``: ``post ⊗ out + combᵀ @ streams`` in one pass over the streams, with the reference's
 roundings (weights, product, matrix product and sum each rounded to the streams' dtype).

@@ -96,6 +96,24 @@ def test_hc_pre_matches_reference(device, lead, n, d, iters, normed):
         _assert_rounding_close(g, w)
 
 
+def test_hc_pre_norm_of_a_cancelling_collapse(device):
+    """Streams ``v`` and ``0.1 u - v`` under equal collapse weights (``pre`` from zero projection
+    rows and equal bases): the collapse ``0.1 pre u`` is ten times smaller than the streams, so the
+    Gram matrix's quadratic form is a difference of terms 100 times its value. The normalised rows
+    still agree with the reference's to a rounding (fp32 Gram sums lose ~2^-24 x that ratio)."""
+    n, d = 4, 64
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    fn[:n] = 0
+    base[1] = base[0]
+    v, u = _streams((2,), 1, d, device)[:, 0], _streams((2,), 1, d, device, seed=5)[:, 0]
+    x = torch.stack([v, 0.1 * u - v, torch.zeros_like(v), torch.zeros_like(v)], dim=1)
+    out_norm = _out_norm(d, device, True)
+    got = kernels.launch_hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, out_norm=out_norm)[2]
+    want = ref.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)[2]
+    assert want.float().abs().amax() > 1  # normalised: the rows' scale, not the collapse's
+    _assert_rounding_close(got, want)
+
+
 @pytest.mark.parametrize("lead, n, d", [((1, 5), 4, 64), ((3,), 3, 40), ((0,), 4, 64), ((2,), 4, 1100)])
 @pytest.mark.parametrize("normed", [False, True])
 def test_hc_head_matches_reference(device, lead, n, d, normed):
