@@ -296,8 +296,9 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     ``dsv4::hc_pre`` (``head=False``: returns ``post, comb, collapsed``) or ``dsv4::hc_head``
     (``head=True``: returns ``collapsed``). ``posted = (post, comb, out)``: ``dsv4::hc_post_pre``, x the
     streams before that mix; returns ``new_streams, post, comb, collapsed``. The projection makes the
-    new streams up to :data:`POSTED_MAX_TOKENS` tokens; above, ``_post_kernel`` makes them first. ``out_norm = (weight [D] or
-    None, eps)``: the block's RMSNorm, applied to ``collapsed`` by its collapse programs."""
+    new streams up to :data:`POSTED_MAX_TOKENS` tokens; above, ``_post_kernel`` makes them first.
+    ``out_norm = (weight [D] or None, eps)``: the block's RMSNorm, applied to ``collapsed`` by its
+    collapse programs."""
     n, d = x.shape[-2:]
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
