@@ -68,6 +68,7 @@ _BLOCK_D = 512  # streams' columns per collapse / hc_post program
 # Flash-width op (bench_hyper_connection.py), µs in the projection against hc_post then hc_pre:
 # 8.9 / 9.7 at 1 token, 9.0 / 10.7 at 2, 10.8 / 11.1 at 3, 10.7 / 11.1 at 4, 14.5 / 11.4 at 6 and
 # 14.7 / 11.6 at 8 (each program then gathers the four old streams of several tokens per K block).
+# Measured with the projection split over K = N D; not re-measured since it splits the D columns.
 POSTED_MAX_TOKENS = 4
 
 
