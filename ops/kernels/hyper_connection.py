@@ -54,12 +54,11 @@ MAX_HC_N = 16
 # 3.5 µs for one 4 x 4 matrix, against 41 µs for Inductor's 39 kernels).
 _TILE_ELEMS = 64
 _WARP_ELEMS = 256
-# Projection partials: a program's [BLOCK_T, MP, NP, BLOCK_C] product tile holds _PRODUCT_ELEMS / MP
-# (token, k) pairs, at least _MIN_BLOCK_C columns of each stream; about _MIX_PROGRAMS programs in all
-# (four per SM of an H200), at most _MAX_SPLIT splits of the columns (the finishing kernel sums
-# them in one tile).
+# Projection partials: a program's [BLOCK_T, MP, NP BLOCK_C] product tile holds _PRODUCT_ELEMS / MP
+# (token, k) pairs, and at least one column of each stream (so more at N = 16, M = 288, and 2+ tokens);
+# about _MIX_PROGRAMS programs in all (four per SM of an H200), at most _MAX_SPLIT splits of the
+# columns (the finishing kernel sums them in one tile).
 _PRODUCT_ELEMS = 8192
-_MIN_BLOCK_C = 4
 _MIX_PROGRAMS = 512
 _MAX_SPLIT = 128
 _MAX_BLOCK_T = 8
@@ -283,7 +282,7 @@ def _mix_plan(tokens: int, d: int, n: int, m: int) -> tuple[int, int, int, int, 
     ``n`` streams of ``d`` columns by ``m`` mix weights."""
     mp = triton.next_power_of_2(m)
     block_t = min(_MAX_BLOCK_T, triton.next_power_of_2(max(tokens, 1)))
-    block_c = max(_MIN_BLOCK_C, _PRODUCT_ELEMS // (mp * block_t * triton.next_power_of_2(n)))
+    block_c = max(1, _PRODUCT_ELEMS // (mp * block_t * triton.next_power_of_2(n)))
     t_blocks = triton.cdiv(tokens, block_t)
     split = max(1, min(_MAX_SPLIT, triton.cdiv(d, block_c), _MIX_PROGRAMS // max(t_blocks, 1)))
     return mp, block_t, block_c, t_blocks, triton.cdiv(triton.cdiv(d, split), block_c) * block_c

@@ -79,10 +79,11 @@ def _assert_rounding_close(got, want):
         torch.testing.assert_close(got.float(), want.float(), atol=step, rtol=0)
 
 
-# tokens filling whole token blocks, a partial one and none; N = 4 (hc_mult) and 3 (padded to 4);
-# D a multiple of the column block and not; fewer columns than one split of K
+# tokens filling whole token blocks, a partial one and none; N = 4 (hc_mult), 3 (padded to 4) and
+# MAX_HC_N (one column of each stream a product step); D a multiple of the column block and not;
+# fewer columns than one split
 @pytest.mark.parametrize("lead, n, d", [((1, 1), 4, 64), ((1, 9), 4, 96), ((2, 3), 3, 40), ((17,), 4, 8), ((0,), 4, 64),
-                                        ((1, 2), 4, 520)])
+                                        ((1, 2), 4, 520), ((3,), kernels.MAX_HC_N, 40)])
 @pytest.mark.parametrize("iters", [1, 20])
 @pytest.mark.parametrize("normed", [False, True])
 def test_hc_pre_matches_reference(device, lead, n, d, iters, normed):
