@@ -118,9 +118,9 @@ def test_hc_ops_equal_the_modules_at_flash_width(tokens):
 @torch.no_grad()
 def test_the_block_norm_in_the_ops_at_flash_width(tokens, monkeypatch):
     """The collapse RMS-normalised inside the ops (the block's input norm, the final norm) against
-    the norm module on the module's collapse: within one bf16 rounding step (the sum of squares
-    adds in another order). Called twice on fresh allocations, so a counter the projection failed
-    to zero would show."""
+    the norm module on the module's collapse: within one bf16 rounding step (the kernels take the
+    sum of squares from the streams' Gram matrix, of the unrounded collapse). Called twice, on fresh
+    allocations and a fresh block output: the ops keep nothing between calls."""
     monkeypatch.setattr(hyper_connection, "NORM_IN_OP", True)
     config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
     hc, head = _flash_width(DeepseekV4HyperConnection(config)), _flash_width(DeepseekV4HyperHead(config))
