@@ -56,9 +56,13 @@ orders or in separate processes):
                    ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``
     compiled_step_graphs_no_split_k  whole-step graphs with ``dsv4::linears`` never splitting K (one
                    program per column tile, small groups too); not in the default ``--ways``
-    compiled_step_graphs_shared_expert_apart  whole-step graphs with each MoE layer's shared expert
-                   run as the block runs it (three products) instead of inside ``dsv4::moe_experts``;
-                   not in the default ``--ways``
+    compiled_step_graphs_moe_apart  whole-step graphs with each MoE layer run as the block runs it
+                   (its router's product, the routed experts' launches, the shared expert's three
+                   products) instead of around ``dsv4::moe_experts``; not in the default ``--ways``
+    compiled_step_graphs_hash_router_apart  whole-step graphs with each hash-routed MoE layer's router
+                   product run by its gate, a launch of its own, instead of inside
+                   ``dsv4::moe_experts`` (``hf_experts.HASH_ROUTER_IN_OP`` off); not in the default
+                   ``--ways``
     compiled_step_graphs_norm_apart  whole-step graphs with each block's input norm and the final norm
                    run as the norm module on the output of the mHC op of its collapse, not inside that op
                    (``hf_hyper_connection.NORM_IN_OP`` off); not in the default ``--ways``
@@ -114,8 +118,8 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import (compiled_ratios, header, host_us_per_call, linears_split_k, norm_in_hc_op,
-                                        posted_max_tokens, profile_steps, shared_expert_in_op, wall_call,
+from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, header, host_us_per_call, linears_split_k,
+                                        moe_in_op, norm_in_hc_op, posted_max_tokens, profile_steps, wall_call,
                                         weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
@@ -142,7 +146,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
         "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
-        "compiled_step_graphs_shared_expert_apart", "compiled_step_graphs_norm_apart")
+        "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
+        "compiled_step_graphs_norm_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -535,7 +540,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),
     "compiled_step_graphs_no_split_k": (lambda: linears_split_k(0), _step_graphs),
-    "compiled_step_graphs_shared_expert_apart": (lambda: shared_expert_in_op(False), _step_graphs),
+    "compiled_step_graphs_moe_apart": (lambda: moe_in_op(False), _step_graphs),
+    "compiled_step_graphs_hash_router_apart": (lambda: hash_router_in_op(False), _step_graphs),
     "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }

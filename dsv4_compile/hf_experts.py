@@ -11,8 +11,9 @@ exactly what transformers computes (another device, tensor-parallel or quantised
 gate) it is transformers' own ``grouped_mm`` implementation.
 
 :func:`moe_forward` is a MoE block's forward (``DeepseekV4SparseMoeBlock.forward``) with the routed
-experts and the shared expert in one op, ``dsv4::moe_experts``: the model step calls it for each
-MoE layer; where the op would not compute what the block's own forward computes it calls the block.
+experts, the shared expert and a hash-routed layer's router product in one op,
+``dsv4::moe_experts``: the model step calls it for each MoE layer; where the op would not compute
+what the block's own forward computes it calls the block.
 """
 
 from __future__ import annotations
@@ -23,9 +24,12 @@ from torch import nn
 from .ops._library import HAS_TRITON
 
 IMPLEMENTATION = "dsv4"
-# False: moe_forward always calls the block (the shared expert's three products apart from the
-# routed experts' launches); benchmarks compare the two
-SHARED_EXPERT_IN_OP = True
+# False: moe_forward always calls the block (its router's product and the shared expert's three
+# products apart from the routed experts' launches); benchmarks compare the two
+MOE_IN_OP = True
+# False: a hash-routed layer's router runs as transformers' gate (its product a launch of its own)
+# instead of inside dsv4::moe_experts; benchmarks compare the two
+HASH_ROUTER_IN_OP = True
 
 
 def register() -> None:
@@ -43,8 +47,7 @@ def runs_routed_experts_op(experts: nn.Module, hidden_states: torch.Tensor) -> b
         return False
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
-    weights = (experts.gate_up_proj, experts.down_proj)
-    return (all(type(w) in (torch.Tensor, nn.Parameter) and w.dtype == hidden_states.dtype for w in weights)
+    return (all(_plain(w, hidden_states.dtype) for w in (experts.gate_up_proj, experts.down_proj))
             and type(experts)._apply_gate is DeepseekV4Experts._apply_gate
             and experts.config.hidden_act == "silu" and experts.has_gate and experts.is_concatenated
             and not (experts.has_bias or experts.is_transposed or experts.has_post_expert_norm
@@ -68,42 +71,64 @@ def _weighted_sum(slots: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch
     """``slots [T * K, H]``, ``top_k_weights [T, K]`` -> ``[T, H]`` in ``dtype``: transformers' own
     weighting and sum of a token's experts (same dtypes, same order: the grouped path's numerics)."""
     tokens, topk = top_k_weights.shape
-    weighted = slots.view(tokens, topk, -1) * top_k_weights.unsqueeze(-1)
+    weighted = slots.view(tokens, topk, slots.shape[-1]) * top_k_weights.unsqueeze(-1)
     return weighted.sum(dim=1).to(dtype)
 
 
 def runs_moe_experts_op(block: nn.Module, hidden_states: torch.Tensor) -> bool:
     """Whether ``dsv4::moe_experts`` computes the experts of ``block`` (a ``DeepseekV4SparseMoeBlock``
     whose forward is transformers' own) on ``hidden_states [..., H]``: the routed experts as
-    :func:`runs_routed_experts_op` asks, through this implementation, and a shared expert that is
-    transformers' ``DeepseekV4MLP`` with plain weights of the activations' dtype, no bias, the
-    routed experts' SwiGLU limit."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP, DeepseekV4SparseMoeBlock
+    :func:`runs_routed_experts_op` asks, through this implementation; transformers' own hash or
+    learned router; a shared expert that is transformers' ``DeepseekV4MLP`` with plain weights of
+    the activations' dtype, no bias, the routed experts' SwiGLU limit."""
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
 
-    if not SHARED_EXPERT_IN_OP or type(block).forward is not DeepseekV4SparseMoeBlock.forward:
+    if not MOE_IN_OP or type(block).forward is not hf.DeepseekV4SparseMoeBlock.forward:
         return False  # (a block of another kind may have neither experts nor a shared expert)
-    experts, shared = block.experts, block.shared_experts
-    if (type(shared) is not DeepseekV4MLP
+    experts, shared, gate = block.experts, block.shared_experts, block.gate
+    router_class = hf.DeepseekV4HashRouter if block.is_hash else hf.DeepseekV4TopKRouter
+    if (type(shared) is not hf.DeepseekV4MLP or type(gate).forward is not router_class.forward
             or getattr(experts.config, "_experts_implementation", None) != IMPLEMENTATION
             or not runs_routed_experts_op(experts, hidden_states)):
         return False
     projections = (shared.gate_proj, shared.up_proj, shared.down_proj)
-    return (all(type(p) is nn.Linear and p.bias is None and type(p.weight) in (torch.Tensor, nn.Parameter)
-                and p.weight.dtype == hidden_states.dtype for p in projections)
+    return (all(type(p) is nn.Linear and p.bias is None and _plain(p.weight, hidden_states.dtype) for p in projections)
             and shared.config.hidden_act == "silu" and shared.limit == experts.limit)
+
+
+def _plain(weight: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A weight the ops read as it is: a plain tensor (not a DTensor shard or a quantiser's) of ``dtype``."""
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == dtype
 
 
 def moe_forward(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """``block(hidden_states, input_ids=input_ids)`` (``hidden_states [B, S, H]``, ``input_ids
-    [B, S]``) -> ``[B, S, H]``, composed as ``DeepseekV4SparseMoeBlock.forward`` composes it (the
-    block's router, the routed experts weighted and summed, plus the shared expert) with the two
-    kinds of experts in one ``dsv4::moe_experts``; the block itself where that op does not apply."""
+    [B, S]``) -> ``[B, S, H]``: :func:`moe_block_composed` where ``dsv4::moe_experts`` applies
+    (:func:`runs_moe_experts_op`), the block itself elsewhere."""
     if not runs_moe_experts_op(block, hidden_states):
         return block(hidden_states, input_ids=input_ids)
-    _, weights, indices = block.gate(hidden_states, input_ids) if block.is_hash else block.gate(hidden_states)
-    experts, shared = block.experts, block.shared_experts
-    slots, shared_out = torch.ops.dsv4.moe_experts(
+    return moe_block_composed(block, hidden_states, input_ids)
+
+
+def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """``DeepseekV4SparseMoeBlock.forward`` composed around one ``dsv4::moe_experts`` (the routed
+    experts, the shared expert and, for a hash-routed layer, the router's logits): a learned router
+    runs first (its choice needs its logits); a hash router's table chooses, and its scoring
+    (transformers' ``DeepseekV4HashRouter`` after its product, written out here) reads the logits
+    the op computed beside the experts (where its weight is plain, of the activations' dtype; else
+    the gate runs as a whole). Then transformers' weighted sum, plus the shared expert."""
+    gate, experts, shared = block.gate, block.experts, block.shared_experts
+    router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
+    if router_in_op:
+        indices = gate.tid2eid[input_ids.reshape(-1)].long()
+    else:
+        _, weights, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
+    slots, shared_out, logits = torch.ops.dsv4.moe_experts(
         hidden_states.reshape(-1, hidden_states.shape[-1]), indices, experts.gate_up_proj, experts.down_proj,
-        float(experts.limit), shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
+        float(experts.limit), shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
+        gate.weight if router_in_op else None)
+    if router_in_op:
+        weights = gate.score_fn(logits).gather(1, indices)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
     routed = _weighted_sum(slots, weights, hidden_states.dtype)
     return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)

@@ -7,10 +7,11 @@ runs two Triton launches for a decode step's few slots (``ops/kernels/experts.py
 grouped GEMM over the slots sorted by expert for more (prefill); on other devices, the reference.
 
 ``moe_experts`` adds the layer's shared expert (transformers' ``DeepseekV4MLP``), which every token
-passes through, to the same two launches as one more row of programs: the shared expert's
-products then stream beside the routed experts' instead of in three launches of their own, at a
-decode step's few tokens where each launch fills a fraction of the GPU. ``dsv4_compile.hf_experts``
-calls it in place of transformers' MoE block where it computes the same thing.
+passes through, and the router's logits to the same two launches as rows of programs: their weights
+then stream beside the routed experts' instead of in launches of their own, at a decode step's few
+tokens where each launch fills a fraction of the GPU (the router's product alone was a split-K
+launch and a memset of its counters). ``dsv4_compile.hf_experts`` calls it in place of
+transformers' MoE block where it computes the same thing.
 
 ``topk_indices`` is the learned router's ``torch.topk(scores, k).indices`` over a layer's experts
 (256 in the released models) as one Triton program per row; a compiled step gets it from
@@ -87,38 +88,48 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     return ref.routed_experts(x, expert_ids, gate_up, down, limit)
 
 
-def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down) -> None:
+def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router) -> None:
     op = "moe_experts"
     _check_routed_experts(x, expert_ids, gate_up, down, limit, op)
     check_tensor(op, "shared_gate", shared_gate, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[1]))
     check_tensor(op, "shared_up", shared_up, dtypes=(x.dtype,), shape=tuple(shared_gate.shape))
     check_tensor(op, "shared_down", shared_down, dtypes=(x.dtype,), shape=(x.shape[1], shared_gate.shape[0]))
     check_devices(op, x=x, shared_gate=shared_gate, shared_up=shared_up, shared_down=shared_down)
+    if router is not None:
+        check_tensor(op, "router", router, dtypes=(x.dtype,), shape=(None, x.shape[1]))
+        check_positive(op, "router's expert count", router.shape[0])
+        check_devices(op, x=x, router=router)
 
 
-def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down):
-    return _routed_experts_fake(x, expert_ids, gate_up, down, limit), x.new_empty(x.shape)
+def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router):
+    logits = x.new_empty(x.shape[0], router.shape[0] if router is not None else 0)
+    return _routed_experts_fake(x, expert_ids, gate_up, down, limit), x.new_empty(x.shape), logits
 
 
-def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down):
+def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router):
     if expert_ids.numel() <= kernels.MAX_SLOTS:
-        return kernels.launch_routed_experts(x, expert_ids, gate_up, down, limit,
-                                             shared=(shared_gate, shared_up, shared_down))
+        return kernels.launch_moe_experts(x, expert_ids, gate_up, down, limit, (shared_gate, shared_up, shared_down),
+                                          router)
     # a GEMM's worth of tokens: the grouped routed experts and cuBLAS's products, as transformers runs them
     hidden = ref.gated_silu(F.linear(x, shared_gate), F.linear(x, shared_up), limit)
-    return grouped_routed_experts(x, expert_ids, gate_up, down, limit), F.linear(hidden, shared_down)
+    logits = F.linear(x, router) if router is not None else x.new_empty(x.shape[0], 0)
+    return grouped_routed_experts(x, expert_ids, gate_up, down, limit), F.linear(hidden, shared_down), logits
 
 
 @dsv4_op("moe_experts", check=_check_moe_experts, fake=_moe_experts_fake,
          cuda=_moe_experts_cuda if HAS_TRITON else None)
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
-                shared_gate: torch.Tensor, shared_up: torch.Tensor,
-                shared_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``routed_experts(x, expert_ids, gate_up, down, limit)`` and the shared expert of every token:
-    ``shared_gate`` / ``shared_up [IS, H]``, ``shared_down [H, IS]`` of ``x``'s dtype ->
-    ``(slots [T * K, H], shared [T, H])``, ``x``'s dtype, each as the two computed apart."""
+                shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
+                router: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``routed_experts(x, expert_ids, gate_up, down, limit)``, the shared expert of every token
+    (``shared_gate`` / ``shared_up [IS, H]``, ``shared_down [H, IS]``) and the router's logits
+    ``x @ router.T`` (``router [E_r, H]``, or None) -> ``(slots [T * K, H], shared [T, H], logits
+    [T, E_r] or [T, 0])``, ``x``'s dtype, each as the three computed apart (the logits as
+    ``F.linear`` rounds them)."""
+    logits = ((x.float() @ router.float().T).to(x.dtype) if router is not None
+              else x.new_empty(x.shape[0], 0))
     return (ref.routed_experts(x, expert_ids, gate_up, down, limit),
-            ref.shared_expert(x, shared_gate, shared_up, shared_down, limit))
+            ref.shared_expert(x, shared_gate, shared_up, shared_down, limit), logits)
 
 
 TOPK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -16,7 +16,7 @@ Host time (:func:`host_us_per_call`): the host's own time per call of a step, wi
 busy so that no call waits for it.
 
 Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
-:func:`shared_expert_in_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
+:func:`moe_in_op`, :func:`hash_router_in_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 """
 
 from __future__ import annotations
@@ -291,9 +291,19 @@ def norm_in_hc_op(enabled: bool):
     return _kernel_setting(hf_hyper_connection, "NORM_IN_OP", enabled)
 
 
-def shared_expert_in_op(enabled: bool):
-    """While entered, the model step runs each MoE layer's shared expert inside
-    ``dsv4::moe_experts`` (``hf_experts.SHARED_EXPERT_IN_OP``) or as the block's own three products."""
+def moe_in_op(enabled: bool):
+    """While entered, the model step runs each MoE layer around ``dsv4::moe_experts``
+    (``hf_experts.MOE_IN_OP``) or as the block's own forward (its router's product, the routed
+    experts' launches, the shared expert's three products)."""
     from .. import hf_experts
 
-    return _kernel_setting(hf_experts, "SHARED_EXPERT_IN_OP", enabled)
+    return _kernel_setting(hf_experts, "MOE_IN_OP", enabled)
+
+
+def hash_router_in_op(enabled: bool):
+    """While entered, the model step computes each hash-routed MoE layer's router logits inside
+    ``dsv4::moe_experts`` (``hf_experts.HASH_ROUTER_IN_OP``) or through the layer's gate, a product
+    launched on its own."""
+    from .. import hf_experts
+
+    return _kernel_setting(hf_experts, "HASH_ROUTER_IN_OP", enabled)

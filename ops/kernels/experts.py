@@ -15,6 +15,10 @@ launches do the whole layer, with no sort:
 * ``_down_kernel``, the same grid over ``down`` for the hidden activations, writing each slot's
   output row.
 
+``dsv4::moe_experts`` adds rows of programs to both grids: the shared expert's (every token) and,
+in the first, the router's logits (``BLOCK_N`` of its weight's rows a program), so their weights
+stream beside the routed experts' instead of in launches of their own.
+
 ``_topk_indices_kernel`` (``dsv4::topk_indices``, the router's choice of experts): one program per
 row holds the row's scores as order-preserving integer keys and takes the largest ``k`` times, the
 lowest column among equal keys each time.
@@ -69,50 +73,70 @@ def _swiglu(gate, up, limit, dtype: tl.constexpr):
 
 
 @triton.jit
-def _products(a_rows, a_ok, w1_rows, w2_rows, w_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+def _products(a_rows, a_ok, w1_rows, w2_rows, w1_ok, w2_ok, K, S_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr, PAIR: tl.constexpr):
     """``(a @ w1.T, a @ w2.T)`` fp32 ``[S_PAD, BLOCK_N]`` each, over K: ``a_rows [S_PAD, 1]`` and the
-    weights' ``[BLOCK_N, 1]`` row pointers, masked by ``a_ok`` / ``w_ok``. Without ``PAIR`` only
-    ``w1`` is read and the second product is 0."""
+    weights' ``[BLOCK_N, 1]`` row pointers, masked by ``a_ok`` / ``w1_ok`` / ``w2_ok`` (a weight
+    whose rows are all masked is not read, and its product is 0). Without ``PAIR`` only ``w1`` is
+    read and the second product is 0."""
     acc1 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
     acc2 = tl.zeros((S_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         a = tl.load(a_rows + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        w1 = tl.load(w1_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+        w1 = tl.load(w1_rows + ks[None, :], mask=w1_ok[:, None] & k_ok[None, :], other=0.0)
         acc1 = tl.dot(a, tl.trans(w1), acc1)
         if PAIR:
-            w2 = tl.load(w2_rows + ks[None, :], mask=w_ok[:, None] & k_ok[None, :], other=0.0)
+            w2 = tl.load(w2_rows + ks[None, :], mask=w2_ok[:, None] & k_ok[None, :], other=0.0)
             acc2 = tl.dot(a, tl.trans(w2), acc2)
     return acc1, acc2
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, T, S, E, TOPK, H, I, IS, limit,
-                    stride_x, stride_we, stride_wn, stride_h,
-                    S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router_ptr, logits_ptr, T, S, E, TOPK,
+                    H, I, IS, E_R, limit, stride_x, stride_we, stride_wn, stride_h,
+                    S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
+                    ROUTER: tl.constexpr):
     """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
-    program ``i``'s expert ``e``. ``SHARED``: the last row of programs is the shared expert,
-    ``hs[t, n-tile] = swiglu(x[t] @ {sg, su}[n-tile].T)`` for every token (``sg``, ``su [IS, H]``)."""
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    program ``i``'s expert ``e``. ``SHARED``: the next row of programs is the shared expert,
+    ``hs[t, n-tile] = swiglu(x[t] @ {sg, su}[n-tile].T)`` for every token (``sg``, ``su [IS, H]``).
+    ``ROUTER``: the last row computes the router's logits, ``logits[t, n-tile] = x[t] @
+    router[n-tile].T`` (``router [E_R, H]``, ``logits [T, E_R]`` of ``h``'s dtype). The three kinds of
+    rows share one K loop (one set of pipeline buffers, which three loops would exceed)."""
+    row = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
-    if SHARED and tl.program_id(0) == tl.num_programs(0) - 1:
-        tokens = tl.arange(0, S_PAD)
-        t_ok = tokens < T
-        col_ok = cols < IS
-        w_rows = cols.to(tl.int64)[:, None] * H
-        gate, up = _products(x_ptr + tokens.to(tl.int64)[:, None] * stride_x, t_ok, sg_ptr + w_rows,
-                             su_ptr + w_rows, col_ok, H, S_PAD, BLOCK_N, BLOCK_K, True)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    tokens = slots
+    t_ok = tokens < T
+    is_router = ROUTER and row == tl.num_programs(0) - 1
+    is_shared = SHARED and row == tl.num_programs(0) - 1 - ROUTER
+    if is_router:
+        # one product: the second weight's rows are all masked off, so it is not read
+        a_rows, a_ok, col_ok, w2_ok, k = tokens, t_ok, cols < E_R, cols < 0, H
+        w1 = router_ptr + cols.to(tl.int64)[:, None] * H
+        w2 = w1
+    elif is_shared:
+        a_rows, a_ok, col_ok, k = tokens, t_ok, cols < IS, H
+        w2_ok = col_ok
+        w1 = sg_ptr + cols.to(tl.int64)[:, None] * H
+        w2 = su_ptr + cols.to(tl.int64)[:, None] * H
+    else:
+        # past the distinct experts: read nothing
+        a_rows, a_ok, col_ok, k = slots // TOPK, hit, cols < I, tl.where(served, H, 0)
+        w2_ok = col_ok
+        w1 = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        w2 = w1 + I * stride_wn
+    gate, up = _products(x_ptr + a_rows.to(tl.int64)[:, None] * stride_x, a_ok, w1, w2, col_ok, w2_ok, k, S_PAD,
+                         BLOCK_N, BLOCK_K, True)
+    if is_router:
+        tl.store(logits_ptr + tokens.to(tl.int64)[:, None] * E_R + cols[None, :], gate.to(dtype),
+                 mask=t_ok[:, None] & col_ok[None, :])
+    elif is_shared:
         tl.store(hs_ptr + tokens.to(tl.int64)[:, None] * IS + cols[None, :], _swiglu(gate, up, limit, dtype),
                  mask=t_ok[:, None] & col_ok[None, :])
     else:
-        slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
-        col_ok = cols < I
-        w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        # past the distinct experts: read nothing
-        gate, up = _products(x_ptr + (slots // TOPK).to(tl.int64)[:, None] * stride_x, hit, w_gate,
-                             w_gate + I * stride_wn, col_ok, tl.where(served, H, 0), S_PAD, BLOCK_N, BLOCK_K, True)
         tl.store(h_ptr + slots.to(tl.int64)[:, None] * stride_h + cols[None, :], _swiglu(gate, up, limit, dtype),
                  mask=hit[:, None] & col_ok[None, :])
 
@@ -130,14 +154,14 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S
         tokens = tl.arange(0, S_PAD)
         t_ok = tokens < T
         w_rows = sd_ptr + cols.to(tl.int64)[:, None] * IS
-        acc, _ = _products(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, w_rows, w_rows, col_ok, IS, S_PAD,
-                           BLOCK_N, BLOCK_K, False)
+        acc, _ = _products(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, w_rows, w_rows, col_ok, col_ok, IS,
+                           S_PAD, BLOCK_N, BLOCK_K, False)
         tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & col_ok[None, :])
     else:
         slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
         w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok,
+        acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok, col_ok,
                            tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K, False)
         unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
         tl.store(out_ptr + slots.to(tl.int64)[:, None] * stride_out + cols[None, :],
@@ -156,27 +180,40 @@ MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
 
 def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           limit: float, gate_up_config: TileConfig | None = None,
-                          down_config: TileConfig | None = None,
-                          shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                          down_config: TileConfig | None = None) -> torch.Tensor:
     """The reference's ``routed_experts`` for ``T * K <= MAX_SLOTS`` slots: ``x [T, H]``,
     ``expert_ids [T, K]``, ``gate_up [E, 2I, H]``, ``down [E, H, I]`` -> ``[T * K, H]`` of ``x``'s dtype.
-    ``shared = (gate [IS, H], up [IS, H], down [H, IS])``: a shared expert applied to every token in
-    the same two launches (a row of programs each); returns ``(slots, shared_out [T, H])``.
     The configs are ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``; by default those above."""
+    return _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config)[0]
+
+
+def launch_moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                       limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                       router: torch.Tensor | None = None, gate_up_config: TileConfig | None = None,
+                       down_config: TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`launch_routed_experts` with the shared expert ``shared = (gate [IS, H], up [IS, H],
+    down [H, IS])`` applied to every token and, given ``router [E, H]``, the router's logits, in the
+    same two launches (a row of programs each) -> ``(slots [T * K, H], shared_out [T, H], logits
+    [T, E])`` of ``x``'s dtype (``logits`` ``[T, 0]`` without a router)."""
+    return _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared, router)
+
+
+def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared=None, router=None):
     t, topk = expert_ids.shape
     s = t * topk
     if s > MAX_SLOTS:
         raise ValueError(f"launch_routed_experts: {s} slots, the kernels take at most {MAX_SLOTS}")
     num_experts, two_i, hidden = gate_up.shape
+    inter = two_i // 2
     # rows of programs: the distinct experts the slots can name (at least one: its programs write
-    # the zero rows of ids outside the experts), and the shared expert's
+    # the zero rows of ids outside the experts), the shared expert's, the router's
     reachable = max(1, min(num_experts, s))
     default = FEW_EXPERTS_CONFIGS if reachable <= FEW_EXPERTS else MANY_EXPERTS_CONFIGS
     gate_up_config, down_config = gate_up_config or default[0], down_config or default[1]
-    inter = two_i // 2
     x, gate_up, down = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, gate_up, down))
     ids = expert_ids.reshape(-1).contiguous()
     out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
+    logits = torch.empty(t, router.shape[0] if router is not None else 0, dtype=x.dtype, device=x.device)
     if shared is not None:
         shared_gate, shared_up, shared_down = (w.contiguous() for w in shared)
         shared_inter = shared_gate.shape[0]
@@ -185,21 +222,24 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
     else:  # unread
         shared_gate = shared_up = shared_down = shared_out = shared_h = x
         shared_inter = 0
+    router = router.contiguous() if router is not None else None
     if s:
         h = torch.empty(s, inter, dtype=x.dtype, device=x.device)
         s_pad = max(DOT_MIN_ROWS, triton.next_power_of_2(s))
         rows = reachable + (shared is not None)
         bn, bk, warps, stages = gate_up_config
-        _gate_up_kernel[(rows, triton.cdiv(max(inter, shared_inter), bn))](
-            x, ids, gate_up, h, shared_gate, shared_up, shared_h, t, s, num_experts, topk, hidden, inter,
-            shared_inter, float(limit), x.stride(0), gate_up.stride(0), gate_up.stride(1), h.stride(0),
-            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+        columns = max(inter, shared_inter, logits.shape[1])
+        _gate_up_kernel[(rows + (router is not None), triton.cdiv(columns, bn))](
+            x, ids, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits, t, s,
+            num_experts, topk, hidden, inter, shared_inter, logits.shape[1], float(limit), x.stride(0),
+            gate_up.stride(0), gate_up.stride(1), h.stride(0), S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk,
+            SHARED=shared is not None, ROUTER=router is not None, num_warps=warps, num_stages=stages)
         bn, bk, warps, stages = down_config
         _down_kernel[(rows, triton.cdiv(hidden, bn))](
             h, ids, down, out, shared_h, shared_down, shared_out, t, s, num_experts, hidden, inter, shared_inter,
             h.stride(0), down.stride(0), down.stride(1), out.stride(0),
             S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, num_warps=warps, num_stages=stages)
-    return out if shared is None else (out, shared_out)
+    return out, shared_out, logits
 
 
 @triton.jit

@@ -1,7 +1,8 @@
-"""``dsv4::routed_experts`` on the GPU: the Triton kernels (a decode step's few slots) and the
-grouped GEMMs (more slots) against the reference on the same device, at the benchmark model's
-widths; the ``"dsv4"`` experts implementation against transformers' ``grouped_mm`` on one MoE
-module, eager and compiled with ``fullgraph=True``."""
+"""``dsv4::routed_experts`` and ``dsv4::moe_experts`` on the GPU: the Triton kernels (a decode
+step's few slots) and the grouped GEMMs (more slots) against the reference on the same device, at
+the benchmark model's widths; the ``"dsv4"`` experts implementation against transformers'
+``grouped_mm`` on one MoE module and the composed MoE block against the block, eager and compiled
+with ``fullgraph=True``."""
 
 import pytest
 import torch
@@ -126,12 +127,14 @@ def _moe_block(layer_idx: int, hidden=1024, inter=512):
 def test_moe_experts_op_equals_the_reference(module, tokens):
     x, ids, _ = _route(module, tokens, seed=3)
     g = torch.Generator(device="cuda").manual_seed(tokens)
-    shared = [torch.randn(*shape, device="cuda", generator=g).mul_(std).bfloat16()
-              for shape, std in (((2048, 4096), 0.08), ((2048, 4096), 0.08), ((4096, 2048), 0.02))]
+    router, *shared = [torch.randn(*shape, device="cuda", generator=g).mul_(std).bfloat16()
+                       for shape, std in (((8, 4096), 0.02), ((2048, 4096), 0.08), ((2048, 4096), 0.08),
+                                          ((4096, 2048), 0.02))]
     args = (x, ids, module.gate_up_proj, module.down_proj, module.limit)
-    slots, shared_out = torch.ops.dsv4.moe_experts(*args, *shared)
+    slots, shared_out, logits = torch.ops.dsv4.moe_experts(*args, *shared, router)
     assert_bf16_close(slots, ref.routed_experts(*args))
     assert_bf16_close(shared_out, ref.shared_expert(x, *shared, module.limit))
+    assert_bf16_close(logits, (x.float() @ router.float().T).bfloat16())
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router

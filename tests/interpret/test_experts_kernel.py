@@ -100,30 +100,56 @@ def _shared(hidden, inter, device, dtype, seed=3):
     return gate, up, (torch.randn(hidden, inter, generator=gen, device=device) * 0.1).to(dtype)
 
 
+def _router(num_experts, hidden, device, dtype, seed=4):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(num_experts, hidden, generator=gen, device=device) * 0.3).to(dtype)
+
+
+def _logits(x, router):
+    return (x.float() @ router.float().T).to(x.dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens, topk", [(1, 2), (5, 2), (16, 4)])
 @pytest.mark.parametrize("shared_inter", [32, 40, 24])  # as the routed experts', wider, narrower
-def test_shared_expert_in_the_same_launches(device, dtype, tokens, topk, shared_inter):
-    """A shared expert as the grids' last row of programs: its output is the reference's shared
-    expert for every token (widths that leave partial tiles, a column grid set by the wider of
-    the two), and the routed slots are those of the launch without it, bit for bit; an unowned id."""
+def test_shared_expert_and_router_in_the_same_launches(device, dtype, tokens, topk, shared_inter):
+    """A shared expert as the grids' next row of programs and the router as the first grid's last:
+    the shared expert's output for every token (widths that leave partial tiles, a column grid set
+    by the wider of the two), the router's logits, and the routed slots of the launch without
+    either, bit for bit; an unowned id."""
     gate_up, down = _weights(4, 48, 32, device, dtype)
     x, ids = _inputs(tokens, topk, 4, 48, device, dtype)
     ids[0, 0] = -1
-    shared = _shared(48, shared_inter, device, dtype)
-    slots, shared_out = kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL, shared=shared)
-    assert shared_out.shape == (tokens, 48) and shared_out.dtype == dtype
+    shared, router = _shared(48, shared_inter, device, dtype), _router(4, 48, device, dtype)
+    slots, shared_out, logits = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, shared, router, *SMALL)
+    assert shared_out.shape == (tokens, 48) and shared_out.dtype == dtype and logits.shape == (tokens, 4)
     torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
+    torch.testing.assert_close(logits, _logits(x, router), **TOL)
     assert torch.equal(slots, kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL))
+    _, _, none = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, shared, None, *SMALL)
+    assert none.shape == (tokens, 0)
 
 
-def test_shared_expert_with_default_configs(device):
+def test_router_of_more_experts_than_columns(device):
+    """A router of 40 experts (over 16-row tiles; the layer holds 4 of them, as a rank under expert
+    parallelism would): the router's programs outnumber the experts' column tiles, so the grid's
+    columns follow the router."""
+    gate_up, down = _weights(4, 48, 32, device, torch.float16)
+    x, ids = _inputs(3, 3, 4, 48, device, torch.float16)
+    router = _router(40, 48, device, torch.float16)
+    _, _, logits = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, _shared(48, 16, device, torch.float16),
+                                              router, *SMALL)
+    torch.testing.assert_close(logits, _logits(x, router), **TOL)
+
+
+def test_moe_experts_with_default_configs(device):
     gate_up, down = _weights(4, 64, 32, device, DTYPES[-1])
     x, ids = _inputs(3, 2, 4, 64, device, DTYPES[-1])
-    shared = _shared(64, 32, device, DTYPES[-1])
-    slots, shared_out = torch.ops.dsv4.moe_experts(x, ids, gate_up, down, 10.0, *shared)
+    shared, router = _shared(64, 32, device, DTYPES[-1]), _router(4, 64, device, DTYPES[-1])
+    slots, shared_out, logits = torch.ops.dsv4.moe_experts(x, ids, gate_up, down, 10.0, *shared, router)
     torch.testing.assert_close(slots, ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
     torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
+    torch.testing.assert_close(logits, _logits(x, router), **TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -149,15 +149,17 @@ def test_routed_experts(tokens):
     _opcheck(ops.routed_experts, _experts_args(tokens, torch.float16))
 
 
-def _moe_experts_args(tokens: int, dtype=torch.bfloat16) -> tuple:
-    """``moe_experts`` arguments: ``_experts_args`` and a shared expert of intermediate 48."""
+def _moe_experts_args(tokens: int, dtype=torch.bfloat16, router: bool = True) -> tuple:
+    """``moe_experts`` arguments: ``_experts_args``, a shared expert of intermediate 48 and a router
+    of its 4 experts (or None)."""
     return (*_experts_args(tokens, dtype), torch.randn(48, 64).to(dtype), torch.randn(48, 64).to(dtype),
-            torch.randn(64, 48).to(dtype))
+            torch.randn(64, 48).to(dtype), torch.randn(4, 64).to(dtype) if router else None)
 
 
 @pytest.mark.parametrize("tokens", [0, 3])
-def test_moe_experts(tokens):
-    _opcheck(ops.moe_experts, _moe_experts_args(tokens, torch.float16))
+@pytest.mark.parametrize("router", [True, False])
+def test_moe_experts(tokens, router):
+    _opcheck(ops.moe_experts, _moe_experts_args(tokens, torch.float16, router))
 
 
 @pytest.mark.parametrize("rows", [0, 3])

@@ -1,6 +1,8 @@
-"""``dsv4::routed_experts`` on the CPU (its reference) against transformers' own experts code, the
-grouped path the CUDA op takes for a large step, the ``"dsv4"`` experts implementation, and
-argument errors that name the argument (opcheck: ``test_opcheck.py``)."""
+"""``dsv4::routed_experts`` and ``dsv4::moe_experts`` on the CPU (their references) against
+transformers' own experts code and MoE block, the grouped path the CUDA op takes for a large step, the ``"dsv4"``
+experts implementation, and argument errors that name the argument (opcheck: ``test_opcheck.py``)."""
+
+import copy
 
 import pytest
 import torch
@@ -126,68 +128,112 @@ def test_bad_arguments_name_themselves():
             routed_experts(*args)
 
 
-def _shared_expert(seed=1, dtype=torch.bfloat16):
-    """transformers' ``DeepseekV4MLP`` of the tiny config (hidden 256, intermediate 128), weights
-    scaled so that some gate / up values pass the SwiGLU limit."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4MLP
+def _moe_block(layer_idx: int, dtype=torch.bfloat16):
+    """A ``DeepseekV4SparseMoeBlock`` of the tiny config (layer 0 hash-routed, layer 1 a learned
+    router; 4 experts, 2 a token) with random weights some of whose gate / up values pass the
+    SwiGLU limit; the hash table draws 2 distinct experts a token."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
 
-    torch.manual_seed(seed)
-    module = DeepseekV4MLP(tiny_hf_config(intermediate_size=128))
+    config = tiny_hf_config()
+    torch.manual_seed(layer_idx)
+    block = DeepseekV4SparseMoeBlock(config, layer_idx)
     with torch.no_grad():
-        for linear, std in ((module.gate_proj, 0.5), (module.up_proj, 0.5), (module.down_proj, 0.05)):
-            linear.weight.normal_(0, std)
-    return module.to(dtype).eval()
+        for name, p in block.named_parameters():
+            p.normal_(0, 0.02 if "down" in name else 0.3)  # outputs of order 1
+        if block.is_hash:
+            block.gate.tid2eid.copy_(torch.rand(config.vocab_size, 4).argsort(dim=1)[:, :2])
+    return block.to(dtype).eval()
+
+
+@pytest.mark.parametrize("layer_idx, hash_router_in_op", [(0, True), (0, False), (1, True)])  # hash, learned
+@pytest.mark.parametrize("tokens", [0, 1, 6])
+@torch.no_grad()
+def test_moe_block_composed_is_the_block(layer_idx, hash_router_in_op, tokens, monkeypatch):
+    """The block composed around ``dsv4::moe_experts`` (its reference on the CPU; a hash layer's
+    scores from the logits the op returns, or from its gate) computes transformers' block: against
+    the block run in fp64 on the same weights it errs no more than the block itself in bf16."""
+    monkeypatch.setattr(hf_experts, "HASH_ROUTER_IN_OP", hash_router_in_op)
+    block = _moe_block(layer_idx)
+    x = torch.randn(1, tokens, 256).bfloat16()
+    input_ids = torch.randint(0, block.experts.config.vocab_size, (1, tokens))
+    got = hf_experts.moe_block_composed(block, x, input_ids)
+    assert got.shape == x.shape and got.dtype == torch.bfloat16
+    if tokens:
+        assert block.shared_experts.gate_proj(x).float().abs().max() > block.experts.limit
+        exact = copy.deepcopy(block).double()(x.double(), input_ids=input_ids)
+        own_error = (block(x, input_ids=input_ids).double() - exact).abs().max()
+        assert (got.double() - exact).abs().max() <= own_error
 
 
 @pytest.mark.parametrize("tokens", [0, 1, 6])
-def test_moe_experts_reference_is_the_routed_experts_and_transformers_shared_expert(tokens):
-    experts, shared = _experts(), _shared_expert()
+def test_moe_experts_reference_is_the_routed_experts_shared_expert_and_router(tokens):
+    block = _moe_block(0)
+    experts, shared, router = block.experts, block.shared_experts, block.gate.weight
     x, ids, _ = _route(tokens, 2, experts.num_experts)
     weights = (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)
-    slots, shared_out = torch.ops.dsv4.moe_experts(x, ids, experts.gate_up_proj, experts.down_proj, experts.limit,
-                                                   *weights)
-    assert torch.equal(slots, routed_experts(x, ids, experts.gate_up_proj, experts.down_proj, experts.limit))
-    assert shared_out.shape == (tokens, 256) and shared_out.dtype == torch.bfloat16
+    routed = (x, ids, experts.gate_up_proj, experts.down_proj, experts.limit)
+    slots, shared_out, logits = torch.ops.dsv4.moe_experts(*routed, *weights, router)
+    assert torch.equal(slots, routed_experts(*routed))
+    assert shared_out.shape == (tokens, 256) and logits.shape == (tokens, 4) and logits.dtype == torch.bfloat16
+    _, _, no_logits = torch.ops.dsv4.moe_experts(*routed, *weights, None)
+    assert no_logits.shape == (tokens, 0)
     if tokens:
         with torch.no_grad():
-            want = shared(x)
-        assert (want.float().abs().max() > 1.0) and (shared.gate_proj(x).float().abs().max() > experts.limit)
-        torch.testing.assert_close(shared_out, want, atol=2e-3, rtol=1.6e-2)
+            torch.testing.assert_close(shared_out, shared(x), atol=2e-3, rtol=1.6e-2)
+            torch.testing.assert_close(logits, torch.nn.functional.linear(x, router), atol=2e-3, rtol=1.6e-2)
 
 
-def test_moe_experts_bad_shared_weights_name_themselves():
-    experts, shared = _experts(), _shared_expert()
-    x, ids, _ = _route(3, 2, experts.num_experts)
+def test_moe_experts_bad_arguments_name_themselves():
+    block = _moe_block(0)
+    x, ids, _ = _route(3, 2, 4)
+    experts, shared = block.experts, block.shared_experts
     routed = (x, ids, experts.gate_up_proj.detach(), experts.down_proj.detach(), 10.0)
     g, u, d = (w.detach() for w in (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight))
-    cases = [((g.half(), u, d), TypeError, "shared_gate must have dtype"),
-             ((g[:, :64], u, d), ValueError, "shared_gate has shape"),
-             ((g, u[:64], d), ValueError, "shared_up has shape"),
-             ((g, u, d.T.contiguous()), ValueError, "shared_down has shape"),
-             ((g, u, d.to("meta")), ValueError, "shared_down is on meta")]
-    for shared_weights, error, message in cases:
+    r = block.gate.weight.detach()
+    cases = [((g.half(), u, d, r), TypeError, "shared_gate must have dtype"),
+             ((g[:, :64], u, d, r), ValueError, "shared_gate has shape"),
+             ((g, u[:64], d, r), ValueError, "shared_up has shape"),
+             ((g, u, d.T.contiguous(), r), ValueError, "shared_down has shape"),
+             ((g, u, d.to("meta"), r), ValueError, "shared_down is on meta"),
+             ((g, u, d, r.half()), TypeError, "router must have dtype"),
+             ((g, u, d, r[:, :64]), ValueError, "router has shape"),
+             ((g, u, d, r[:0]), ValueError, "router's expert count=0"),
+             ((g, u, d, r.to("meta")), ValueError, "router is on meta")]
+    for args, error, message in cases:
         with pytest.raises(error, match=message):
-            torch.ops.dsv4.moe_experts(*routed, *shared_weights)
+            torch.ops.dsv4.moe_experts(*routed, *args)
 
 
 def test_moe_forward_is_the_block_off_cuda():
     """On the CPU ``moe_forward`` is the block's own forward (the op's kernels are CUDA's), exactly;
     a module of another kind is called as it is."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4SparseMoeBlock
-
     hf_experts.register()
-    config = tiny_hf_config()
-    config._experts_implementation = hf_experts.IMPLEMENTATION
-    torch.manual_seed(0)
-    block = DeepseekV4SparseMoeBlock(config, 1)
-    with torch.no_grad():
-        for p in block.parameters():
-            p.normal_(0, 0.05)
-    block = block.bfloat16().eval()
-    x = torch.randn(1, 5, config.hidden_size).bfloat16()
+    block = _moe_block(1)
+    block.experts.config._experts_implementation = hf_experts.IMPLEMENTATION
+    x = torch.randn(1, 5, 256).bfloat16()
     ids = torch.zeros(1, 5, dtype=torch.long)
     assert not hf_experts.runs_moe_experts_op(block, x)
     with torch.no_grad():
         assert torch.equal(hf_experts.moe_forward(block, x, ids), block(x, input_ids=ids))
     other = torch.nn.Identity()
     assert not hf_experts.runs_moe_experts_op(other, x)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
+@torch.no_grad()
+def test_moe_block_composed_compiles_whole(layer_idx):
+    """``torch.compile(fullgraph=True)`` of the composed block: no graph break, one frame, and the
+    eager composition's values (the op's reference on the CPU)."""
+    from torch._dynamo.utils import counters
+
+    from tests.support.compile_checks import fresh_compile_state
+
+    block = _moe_block(layer_idx)
+    x = torch.randn(1, 5, 256).bfloat16()
+    input_ids = torch.randint(0, block.experts.config.vocab_size, (1, 5))
+    with fresh_compile_state():
+        compiled = torch.compile(lambda x, ids: hf_experts.moe_block_composed(block, x, ids), fullgraph=True,
+                                 options={"emulate_precision_casts": True})
+        got = compiled(x, input_ids)
+        assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got, hf_experts.moe_block_composed(block, x, input_ids), atol=0, rtol=0)
