@@ -30,6 +30,9 @@ MOE_IN_OP = True
 # False: a hash-routed layer's router runs as transformers' gate (its product a launch of its own)
 # instead of inside dsv4::moe_experts; benchmarks compare the two
 HASH_ROUTER_IN_OP = True
+# True: a MoE layer divides its weighted sum by the sum of the routing scores instead of each
+# weight (the same value to a rounding; see _routed_sum); benchmarks compare the two
+NORMALISE_AFTER_SUM = False
 
 
 def register() -> None:
@@ -116,19 +119,34 @@ def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids:
     runs first (its choice needs its logits); a hash router's table chooses, and its scoring
     (transformers' ``DeepseekV4HashRouter`` after its product, written out here) reads the logits
     the op computed beside the experts (where its weight is plain, of the activations' dtype; else
-    the gate runs as a whole). Then transformers' weighted sum, plus the shared expert."""
+    the gate runs as a whole). Then :func:`_routed_sum` of the chosen experts' scores (both
+    routers score ``score_fn(logits)`` at the chosen columns; a learned router's own weights go
+    unused), plus the shared expert."""
     gate, experts, shared = block.gate, block.experts, block.shared_experts
     router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
     if router_in_op:
         indices = gate.tid2eid[input_ids.reshape(-1)].long()
     else:
-        _, weights, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
-    slots, shared_out, logits = torch.ops.dsv4.moe_experts(
+        logits, _, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
+    slots, shared_out, op_logits = torch.ops.dsv4.moe_experts(
         hidden_states.reshape(-1, hidden_states.shape[-1]), indices, experts.gate_up_proj, experts.down_proj,
         float(experts.limit), shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
         gate.weight if router_in_op else None)
-    if router_in_op:
-        weights = gate.score_fn(logits).gather(1, indices)
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * gate.routed_scaling_factor
-    routed = _weighted_sum(slots, weights, hidden_states.dtype)
+    scores = gate.score_fn(op_logits if router_in_op else logits).gather(1, indices)
+    routed = _routed_sum(slots, scores, gate.routed_scaling_factor, hidden_states.dtype)
     return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)
+
+
+def _routed_sum(slots: torch.Tensor, scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``slots [T * K, H]``, ``scores [T, K]`` of the chosen experts -> ``[T, H]`` in ``dtype``:
+    ``sum_k slot_k * w_k`` with transformers' routing weights ``w = scores / (sum(scores) + 1e-20) *
+    scale``. :data:`NORMALISE_AFTER_SUM`: the same as ``(sum_k slot_k * score_k) / (sum(scores) +
+    1e-20) * scale``, every term a reduction over K at each output element, so that Inductor can
+    compute the weights inside the sum's kernel instead of in one of their own; in fp32, rounded
+    once (a compiled step's fused kernel computes transformers' form in fp32 too)."""
+    if not NORMALISE_AFTER_SUM:
+        return _weighted_sum(slots, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) * scale, dtype)
+    tokens, topk = scores.shape
+    per_slot = scores.float().unsqueeze(-1).expand(tokens, topk, slots.shape[-1])
+    total = (slots.float().view(per_slot.shape) * per_slot).sum(dim=1)
+    return (total / (per_slot.sum(dim=1) + 1e-20) * scale).to(dtype)

@@ -16,7 +16,8 @@ Host time (:func:`host_us_per_call`): the host's own time per call of a step, wi
 busy so that no call waits for it.
 
 Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
-:func:`moe_in_op`, :func:`hash_router_in_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
+:func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
+:func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 """
 
 from __future__ import annotations
@@ -307,3 +308,11 @@ def hash_router_in_op(enabled: bool):
     from .. import hf_experts
 
     return _kernel_setting(hf_experts, "HASH_ROUTER_IN_OP", enabled)
+
+
+def normalise_after_sum(enabled: bool):
+    """While entered, each MoE layer of the model step divides its weighted sum by the sum of the
+    routing scores (``hf_experts.NORMALISE_AFTER_SUM``) or each weight, as transformers does."""
+    from .. import hf_experts
+
+    return _kernel_setting(hf_experts, "NORMALISE_AFTER_SUM", enabled)

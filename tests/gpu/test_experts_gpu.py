@@ -139,8 +139,10 @@ def test_moe_experts_op_equals_the_reference(module, tokens):
 
 @pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
 @pytest.mark.parametrize("tokens", [1, 5, 40])
+@pytest.mark.parametrize("normalise_after_sum", [False, True])
 @torch.no_grad()
-def test_moe_forward_equals_the_block(layer_idx, tokens):
+def test_moe_forward_equals_the_block(layer_idx, tokens, normalise_after_sum, monkeypatch):
+    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
     block = _moe_block(layer_idx)
     x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
     input_ids = torch.randint(0, block.experts.config.vocab_size, (1, tokens), device="cuda")

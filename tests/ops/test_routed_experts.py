@@ -146,13 +146,16 @@ def _moe_block(layer_idx: int, dtype=torch.bfloat16):
 
 
 @pytest.mark.parametrize("layer_idx, hash_router_in_op", [(0, True), (0, False), (1, True)])  # hash, learned
+@pytest.mark.parametrize("normalise_after_sum", [False, True])
 @pytest.mark.parametrize("tokens", [0, 1, 6])
 @torch.no_grad()
-def test_moe_block_composed_is_the_block(layer_idx, hash_router_in_op, tokens, monkeypatch):
+def test_moe_block_composed_is_the_block(layer_idx, hash_router_in_op, normalise_after_sum, tokens, monkeypatch):
     """The block composed around ``dsv4::moe_experts`` (its reference on the CPU; a hash layer's
-    scores from the logits the op returns, or from its gate) computes transformers' block: against
-    the block run in fp64 on the same weights it errs no more than the block itself in bf16."""
+    scores from the logits the op returns, or from its gate; the weights normalised before or
+    after the sum) computes transformers' block: against the block run in fp64 on the same weights
+    it errs no more than the block itself in bf16."""
     monkeypatch.setattr(hf_experts, "HASH_ROUTER_IN_OP", hash_router_in_op)
+    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
     block = _moe_block(layer_idx)
     x = torch.randn(1, tokens, 256).bfloat16()
     input_ids = torch.randint(0, block.experts.config.vocab_size, (1, tokens))
@@ -220,14 +223,16 @@ def test_moe_forward_is_the_block_off_cuda():
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
+@pytest.mark.parametrize("normalise_after_sum", [False, True])
 @torch.no_grad()
-def test_moe_block_composed_compiles_whole(layer_idx):
+def test_moe_block_composed_compiles_whole(layer_idx, normalise_after_sum, monkeypatch):
     """``torch.compile(fullgraph=True)`` of the composed block: no graph break, one frame, and the
     eager composition's values (the op's reference on the CPU)."""
     from torch._dynamo.utils import counters
 
     from tests.support.compile_checks import fresh_compile_state
 
+    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
     block = _moe_block(layer_idx)
     x = torch.randn(1, 5, 256).bfloat16()
     input_ids = torch.randint(0, block.experts.config.vocab_size, (1, 5))
