@@ -33,6 +33,9 @@ HASH_ROUTER_IN_OP = True
 # True: a MoE layer divides its weighted sum by the sum of the routing scores instead of each
 # weight (the same value to a rounding; see _routed_sum); benchmarks compare the two
 NORMALISE_AFTER_SUM = False
+# True: a learned router (sqrt-softplus scores) runs as dsv4::router_topk instead of as transformers'
+# gate (its product, a scoring kernel, aten.topk); benchmarks compare the two
+LEARNED_ROUTER_OP = False
 
 
 def register() -> None:
@@ -119,13 +122,17 @@ def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids:
     runs first (its choice needs its logits); a hash router's table chooses, and its scoring
     (transformers' ``DeepseekV4HashRouter`` after its product, written out here) reads the logits
     the op computed beside the experts (where its weight is plain, of the activations' dtype; else
-    the gate runs as a whole). Then :func:`_routed_sum` of the chosen experts' scores (both
-    routers score ``score_fn(logits)`` at the chosen columns; a learned router's own weights go
-    unused), plus the shared expert."""
+    the gate runs as a whole). A learned router runs as ``dsv4::router_topk`` where
+    :func:`_runs_router_topk_op` says so, else as the gate. Then :func:`_routed_sum` of the chosen
+    experts' scores (both routers score ``score_fn(logits)`` at the chosen columns; a learned
+    router's own weights go unused), plus the shared expert."""
     gate, experts, shared = block.gate, block.experts, block.shared_experts
     router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
     if router_in_op:
         indices = gate.tid2eid[input_ids.reshape(-1)].long()
+    elif not block.is_hash and _runs_router_topk_op(gate, hidden_states.dtype):
+        indices, logits = torch.ops.dsv4.router_topk(hidden_states.reshape(-1, hidden_states.shape[-1]), gate.weight,
+                                                     gate.e_score_correction_bias, gate.top_k)
     else:
         logits, _, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
     slots, shared_out, op_logits = torch.ops.dsv4.moe_experts(
@@ -135,6 +142,17 @@ def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids:
     scores = gate.score_fn(op_logits if router_in_op else logits).gather(1, indices)
     routed = _routed_sum(slots, scores, gate.routed_scaling_factor, hidden_states.dtype)
     return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)
+
+
+def _runs_router_topk_op(gate: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether ``dsv4::router_topk`` computes ``gate`` (transformers' learned router, its forward
+    checked by the caller) for activations of ``dtype``: :data:`LEARNED_ROUTER_OP` on, transformers'
+    ``sqrt(softplus)`` scoring, plain weight and bias."""
+    from transformers.activations import SqrtSoftplusActivation
+
+    bias = gate.e_score_correction_bias
+    return (LEARNED_ROUTER_OP and type(gate.score_fn) is SqrtSoftplusActivation and _plain(gate.weight, dtype)
+            and type(bias) in (torch.Tensor, nn.Parameter) and bias.is_floating_point())
 
 
 def _routed_sum(slots: torch.Tensor, scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

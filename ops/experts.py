@@ -1,5 +1,5 @@
 """The routed experts of a MoE layer: ``dsv4::routed_experts``, and with the shared expert,
-``dsv4::moe_experts``; and the choice of experts, ``dsv4::topk_indices``.
+``dsv4::moe_experts``; and the choice of experts, ``dsv4::router_topk`` and ``dsv4::topk_indices``.
 
 The model does not call ``routed_experts`` directly: ``dsv4_compile.hf_experts`` registers it with
 transformers as the experts implementation ``"dsv4"``, which ``enable`` sets. On CUDA the op
@@ -12,6 +12,8 @@ then stream beside the routed experts' instead of in launches of their own, at a
 tokens where each launch fills a fraction of the GPU (the router's product alone was a split-K
 launch and a memset of its counters). ``dsv4_compile.hf_experts`` calls it in place of
 transformers' MoE block where it computes the same thing.
+
+``router_topk`` is a learned router's product, scoring and choice of experts in two launches.
 
 ``topk_indices`` is the learned router's ``torch.topk(scores, k).indices`` over a layer's experts
 (256 in the released models) as one Triton program per row; a compiled step gets it from
@@ -163,3 +165,37 @@ def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     +0.0; NaN ranks above every number). On CUDA one program per row up to
     ``TOPK_MAX_COLUMNS`` columns and ``TOPK_MAX_K``; the reference's sort above."""
     return ref.topk_indices(scores, k)
+
+
+def _check_router_topk(x, weight, bias, k) -> None:
+    op = "router_topk"
+    check_tensor(op, "x", x, dtypes=ACTIVATION_DTYPES, ndim=2)
+    check_tensor(op, "weight", weight, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[1]))
+    check_positive(op, "weight's expert count", weight.shape[0])
+    check_tensor(op, "bias", bias, dtypes=TOPK_DTYPES, shape=(weight.shape[0],))
+    if not 1 <= k <= weight.shape[0]:
+        raise ValueError(f"dsv4.{op}: k={k} must be between 1 and the {weight.shape[0]} experts of weight")
+    check_devices(op, x=x, weight=weight, bias=bias)
+
+
+def _router_topk_fake(x, weight, bias, k):
+    return x.new_empty(x.shape[0], k, dtype=torch.int64), x.new_empty(x.shape[0], weight.shape[0])
+
+
+def _router_topk_cuda(x, weight, bias, k):
+    if x.shape[0] > kernels.ROUTER_MAX_TOKENS or weight.shape[0] > TOPK_MAX_COLUMNS or k > TOPK_MAX_K:
+        logits = F.linear(x, weight)
+        return topk_indices(F.softplus(logits.float()).sqrt() + bias.float(), k), logits
+    return kernels.launch_router_topk(x, weight, bias, k)
+
+
+@dsv4_op("router_topk", check=_check_router_topk, fake=_router_topk_fake,
+         cuda=_router_topk_cuda if HAS_TRITON else None)
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek V4's learned router (``reference.experts.router_topk``): ``x [T, H]`` bf16 / fp16,
+    ``weight [E, H]`` of its dtype, ``bias [E]``, ``1 <= k <= E`` -> ``(indices [T, k]`` int64, the
+    ``k`` largest ``sqrt(softplus(logit)) + bias`` in descending order, ``logits [T, E]`` of ``x``'s
+    dtype). On CUDA up to ``ROUTER_MAX_TOKENS`` tokens two launches (``ops/kernels/experts.py``)
+    where the router's product alone was a split-K launch, its counters' memset, a scoring kernel
+    and ``aten.topk``; cuBLAS's product and ``topk_indices`` above."""
+    return ref.router_topk(x, weight, bias, k)

@@ -72,6 +72,17 @@ def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
     return (swiglu(gate_up, limit).float() @ down.float().T).to(x.dtype)
 
 
+def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek V4's learned router (transformers' ``DeepseekV4TopKRouter`` with its ``sqrtsoftplus``
+    scoring): ``x [T, H]``, ``weight [E, H]`` of ``x``'s dtype, ``bias [E]`` (the selection's
+    ``e_score_correction_bias``) -> ``(indices [T, k] int64, logits [T, E])``: the logits
+    ``x @ weight.T`` rounded to ``x``'s dtype (as ``F.linear``), and the ``k`` largest
+    ``sqrt(softplus(logits)) + bias`` (fp32) in descending order, as :func:`topk_indices` orders them."""
+    logits = (x.float() @ weight.float().T).to(x.dtype)
+    scores = F.softplus(logits.float()).sqrt() + bias.float()
+    return topk_indices(scores, k), logits
+
+
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
     """``scores [T, E]`` -> ``[T, k]`` int64: each row's ``k`` largest, in descending order, equal
     scores in column order (a stable sort: -0.0 equals +0.0; NaN ranks above every number)."""

@@ -17,7 +17,7 @@ busy so that no call waits for it.
 
 Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
 :func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
-:func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
+:func:`learned_router_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 """
 
 from __future__ import annotations
@@ -316,3 +316,11 @@ def normalise_after_sum(enabled: bool):
     from .. import hf_experts
 
     return _kernel_setting(hf_experts, "NORMALISE_AFTER_SUM", enabled)
+
+
+def learned_router_op(enabled: bool):
+    """While entered, each learned router of the model step runs as ``dsv4::router_topk``
+    (``hf_experts.LEARNED_ROUTER_OP``) or as transformers' gate."""
+    from .. import hf_experts
+
+    return _kernel_setting(hf_experts, "LEARNED_ROUTER_OP", enabled)

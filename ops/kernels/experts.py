@@ -38,6 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .host import num_sms
 from .primitives import DOT_MIN_ROWS, TileConfig, unsigned_key
 
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
@@ -243,20 +244,27 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
 
 
 @triton.jit
-def _topk_indices_kernel(scores_ptr, out_ptr, E, stride, K: tl.constexpr, EP: tl.constexpr):
-    """Row ``pid``'s ``K`` largest columns of ``scores [T, E]`` into ``out [T, K]``, descending."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, EP)
-    live = cols < E
-    x = tl.load(scores_ptr + row * stride + cols, mask=live, other=0.0).to(tl.float32)
+def _store_topk(x, live, cols, out_row, K: tl.constexpr, EP: tl.constexpr):
+    """The ``K`` largest of a row's fp32 values ``x [EP]`` (columns ``cols`` where ``live``) stored
+    as columns at ``out_row[0:K]``, descending, equal values in column order."""
     # one NaN (it ranks above +inf in the key) and one zero (+0.0: -0.0 equals it, as in a sort)
     x = tl.where(x != x, float("nan"), x + 0.0)
     key = unsigned_key(x)
     for i in tl.static_range(K):
         best = tl.max(tl.where(live, key, 0), axis=0)
         col = tl.min(tl.where(live & (key == best), cols, EP), axis=0)
-        tl.store(out_ptr + row * K + i, col.to(tl.int64))
+        tl.store(out_row + i, col.to(tl.int64))
         live = live & (cols != col)
+
+
+@triton.jit
+def _topk_indices_kernel(scores_ptr, out_ptr, E, stride, K: tl.constexpr, EP: tl.constexpr):
+    """Row ``pid``'s ``K`` largest columns of ``scores [T, E]`` into ``out [T, K]``, descending."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EP)
+    live = cols < E
+    x = tl.load(scores_ptr + row * stride + cols, mask=live, other=0.0).to(tl.float32)
+    _store_topk(x, live, cols, out_ptr + row * K, K, EP)
 
 
 def launch_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -274,3 +282,81 @@ def launch_topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:
         _topk_indices_kernel[(rows,)](scores, out, cols, scores.stride(0), K=k, EP=ep,
                                       num_warps=max(1, min(4, ep // 256)))
     return out
+
+
+@triton.jit
+def _softplus(x):
+    """``log(1 + exp(x))`` as torch computes it: ``x`` itself above 20, ``log1p(exp(x))`` below
+    (``log1p(y)`` as ``log(u) * y / (u - 1)``, ``u = 1 + y``: exact to a rounding where ``log(u)``
+    alone would lose ``y`` to ``u``'s rounding)."""
+    y = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + y
+    return tl.where(x > 20.0, x, tl.where(u == 1.0, y, tl.log(u) * (y / (u - 1.0))))
+
+
+@triton.jit
+def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_per_split,
+                           T_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program ``(i, s)``: ``part[s, t, i-tile] = x[t, k-span] @ w[i-tile, k-span].T`` fp32 over
+    split ``s``'s columns ``[s * k_per_split, +k_per_split)`` of H, for every token ``t``."""
+    experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    tokens = tl.arange(0, T_PAD)
+    k0 = tl.program_id(1) * k_per_split
+    w_rows = w_ptr + experts.to(tl.int64)[:, None] * H + k0
+    e_ok = experts < E
+    acc, _ = _products(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + k0, tokens < T, w_rows, w_rows, e_ok, e_ok,
+                       tl.minimum(k_per_split, H - k0), T_PAD, BLOCK_E, BLOCK_K, False)
+    tl.store(part_ptr + (tl.program_id(1) * T + tokens)[:, None] * E + experts[None, :], acc,
+             mask=(tokens < T)[:, None] & e_ok[None, :])
+
+
+@triton.jit
+def _router_topk_kernel(part_ptr, bias_ptr, logits_ptr, out_ptr, T, E, splits, K: tl.constexpr, EP: tl.constexpr):
+    """Token ``pid``: its logits, the partials of every split summed in split order and rounded to
+    ``logits``' dtype, stored; then the ``K`` largest of ``sqrt(softplus(logit)) + bias`` into
+    ``out [T, K]``, descending."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, EP)
+    live = cols < E
+    logit = tl.zeros((EP,), dtype=tl.float32)
+    for s in range(splits):
+        logit += tl.load(part_ptr + (s * T + row) * E + cols, mask=live, other=0.0)
+    logit = logit.to(logits_ptr.dtype.element_ty)
+    tl.store(logits_ptr + row * E + cols, logit, mask=live)
+    bias = tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
+    _store_topk(tl.sqrt(_softplus(logit.to(tl.float32))) + bias, live, cols, out_ptr + row * K, K, EP)
+
+
+# launch_router_topk: tokens up to which it runs (every program holds them all as its tile's rows),
+# and its tile: (BLOCK_E experts, BLOCK_K columns, warps, stages)
+ROUTER_MAX_TOKENS = 16
+ROUTER_CONFIG = (16, 128, 4, 3)
+
+
+def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int,
+                       config: TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dsv4::router_topk`` for ``T <= ROUTER_MAX_TOKENS`` tokens in two launches: ``x [T, H]``,
+    ``weight [E, H]`` of ``x``'s dtype, ``bias [E]`` -> ``(indices [T, k] int64, logits [T, E])``.
+    The product is split over experts and over H until the grid fills the GPU's SMs, into fp32
+    partials; one program a token sums them (no split-K counters to zero), scores and selects."""
+    t, hidden = x.shape
+    num_experts = weight.shape[0]
+    if t > ROUTER_MAX_TOKENS:
+        raise ValueError(f"launch_router_topk: {t} tokens, the kernels take at most {ROUTER_MAX_TOKENS}")
+    block_e, block_k, warps, stages = config or ROUTER_CONFIG
+    x, weight = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, weight))
+    indices = torch.empty(t, k, dtype=torch.int64, device=x.device)
+    logits = torch.empty(t, num_experts, dtype=x.dtype, device=x.device)
+    if t:
+        e_blocks = triton.cdiv(num_experts, block_e)
+        k_blocks = max(1, triton.cdiv(hidden, block_k))
+        k_per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, num_sms(x.device) // e_blocks))) * block_k
+        splits = max(1, triton.cdiv(hidden, k_per_split))
+        part = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
+        _router_partial_kernel[(e_blocks, splits)](x, weight, part, t, num_experts, hidden, x.stride(0), k_per_split,
+                                                   T_PAD=DOT_MIN_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
+                                                   num_warps=warps, num_stages=stages)
+        ep = triton.next_power_of_2(num_experts)
+        _router_topk_kernel[(t,)](part, bias.contiguous(), logits, indices, t, num_experts, splits, K=k, EP=ep,
+                                  num_warps=max(1, min(4, ep // 256)))
+    return indices, logits

@@ -137,6 +137,22 @@ def test_moe_experts_op_equals_the_reference(module, tokens):
     assert_bf16_close(logits, (x.float() @ router.float().T).bfloat16())
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 16, 17])  # the kernels, then cuBLAS + topk_indices
+@pytest.mark.parametrize("num_experts, k", [(8, 2), (256, 6)])
+@torch.no_grad()
+def test_router_topk_op_equals_the_reference(tokens, num_experts, k):
+    """Logits to a bf16 rounding of the reference's, the selection the reference's order of the
+    op's own logits (the two may round apart at a near tie)."""
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 4096, device="cuda", generator=g).bfloat16()
+    weight = torch.randn(num_experts, 4096, device="cuda", generator=g).mul_(0.02).bfloat16()
+    bias = torch.randn(num_experts, device="cuda", generator=g).mul_(0.1)
+    indices, logits = torch.ops.dsv4.router_topk(x, weight, bias, k)
+    assert_bf16_close(logits, ref.router_topk(x, weight, bias, k)[1])
+    scores = torch.nn.functional.softplus(logits.float()).sqrt() + bias
+    assert torch.equal(indices, ref.topk_indices(scores, k))
+
+
 @pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 @pytest.mark.parametrize("normalise_after_sum", [False, True])
@@ -150,6 +166,23 @@ def test_moe_forward_equals_the_block(layer_idx, tokens, normalise_after_sum, mo
     got = hf_experts.moe_forward(block, x, input_ids)
     assert got.shape == x.shape and got.dtype == x.dtype
     assert_bf16_close(got, block(x, input_ids=input_ids))
+
+
+@pytest.mark.parametrize("tokens", [1, 16, 40])  # the router's kernels, then cuBLAS + topk_indices
+@torch.no_grad()
+def test_moe_forward_with_the_router_op_equals_the_block(tokens, monkeypatch):
+    """A learned router through ``dsv4::router_topk``: the block's output for every token whose
+    experts it chose as transformers' bf16 gate did (its fp32 scores may break a bf16 tie apart),
+    most of them."""
+    monkeypatch.setattr(hf_experts, "LEARNED_ROUTER_OP", True)
+    block = _moe_block(1)
+    x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
+    input_ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
+    chosen, _ = torch.ops.dsv4.router_topk(x[0], block.gate.weight, block.gate.e_score_correction_bias, 2)
+    agree = (chosen.sort(dim=-1).values == block.gate(x)[2].sort(dim=-1).values).all(dim=-1)
+    assert agree.float().mean() >= 0.8
+    got = hf_experts.moe_forward(block, x, input_ids)
+    assert_bf16_close(got[0, agree], block(x, input_ids=input_ids)[0, agree])
 
 
 @torch.no_grad()

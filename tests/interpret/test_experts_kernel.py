@@ -174,3 +174,33 @@ def test_topk_indices_strided_and_no_rows(device):
     assert kernels.launch_topk_indices(scores[:0], 5).shape == (0, 5)
     with pytest.raises(ValueError, match="k=33"):
         kernels.launch_topk_indices(scores, 33)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens, num_experts, hidden, k", [(1, 8, 64, 2), (5, 40, 300, 6), (16, 256, 96, 6)])
+def test_router_topk_kernels_match_the_reference(device, dtype, tokens, num_experts, hidden, k):
+    """The learned router's two launches: logits to one rounding of the reference's (a hidden
+    size of no power of two splits into a partial K block), and the selection exactly the
+    reference's order of ``sqrt(softplus(logits)) + bias`` over the kernel's own logits (the
+    two logits may round apart, so their selections may differ at a near tie); a bias that
+    reorders the choice; a logit past softplus's linear threshold."""
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    x = torch.randn(tokens, hidden, generator=gen, device=device).to(dtype)
+    weight = (torch.randn(num_experts, hidden, generator=gen, device=device) * 0.2).to(dtype)
+    weight[0] = x[0] / 2  # token 0's logit of expert 0: |x[0]|² / 2, past 20
+    bias = torch.randn(num_experts, generator=gen, device=device)
+    indices, logits = kernels.launch_router_topk(x, weight, bias, k, (16, 32, 2, 1))
+    want_indices, want_logits = ref.router_topk(x, weight, bias, k)
+    assert indices.shape == (tokens, k) and indices.dtype == torch.int64 and logits.dtype == dtype
+    torch.testing.assert_close(logits, want_logits, **TOL)
+    scores = torch.nn.functional.softplus(logits.float()).sqrt() + bias
+    assert torch.equal(indices, ref.topk_indices(scores, k))
+    assert logits[0, 0] > 20 and (want_indices == indices).float().mean() > 0.9
+    unbiased = ref.topk_indices(torch.nn.functional.softplus(logits.float()).sqrt(), k)
+    assert not torch.equal(indices, unbiased)  # the bias changes the choice
+
+
+def test_router_topk_of_too_many_tokens(device):
+    x = torch.randn(kernels.ROUTER_MAX_TOKENS + 1, 64, device=device).half()
+    with pytest.raises(ValueError, match="at most"):
+        kernels.launch_router_topk(x, torch.randn(8, 64, device=device).half(), torch.zeros(8, device=device), 2)

@@ -162,6 +162,11 @@ def test_moe_experts(tokens, router):
     _opcheck(ops.moe_experts, _moe_experts_args(tokens, torch.float16, router))
 
 
+@pytest.mark.parametrize("tokens", [0, 3])
+def test_router_topk(tokens):
+    _opcheck(ops.router_topk, (torch.randn(tokens, 64).half(), torch.randn(8, 64).half(), torch.randn(8), 2))
+
+
 @pytest.mark.parametrize("rows", [0, 3])
 def test_linears(rows):
     _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
@@ -254,6 +259,7 @@ def _calls(state) -> dict[str, tuple]:
                                torch.zeros(TINY.num_heads), TINY.softmax_scale),
         "routed_experts": _experts_args(3),
         "moe_experts": _moe_experts_args(3),
+        "router_topk": (torch.randn(3, 64).bfloat16(), torch.randn(8, 64).bfloat16(), torch.randn(8), 2),
         "linears": (torch.randn(3, 64).bfloat16(), [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]),
         "grouped_linear": (torch.randn(3, 2, 64).bfloat16(), torch.randn(16, 64).bfloat16()),
         "rms_norm": (torch.randn(3, 64).bfloat16(), torch.rand(64), 1e-6),
@@ -267,7 +273,7 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts", "linears",
+           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts", "router_topk", "linears",
            "grouped_linear", "rms_norm", "rope_tail", "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head",
            "hc_post", "hc_post_pre"]
 

@@ -145,16 +145,18 @@ def _moe_block(layer_idx: int, dtype=torch.bfloat16):
     return block.to(dtype).eval()
 
 
-@pytest.mark.parametrize("layer_idx, hash_router_in_op", [(0, True), (0, False), (1, True)])  # hash, learned
+@pytest.mark.parametrize("layer_idx, router_op", [(0, True), (0, False), (1, True), (1, False)])  # hash, learned
 @pytest.mark.parametrize("normalise_after_sum", [False, True])
 @pytest.mark.parametrize("tokens", [0, 1, 6])
 @torch.no_grad()
-def test_moe_block_composed_is_the_block(layer_idx, hash_router_in_op, normalise_after_sum, tokens, monkeypatch):
+def test_moe_block_composed_is_the_block(layer_idx, router_op, normalise_after_sum, tokens, monkeypatch):
     """The block composed around ``dsv4::moe_experts`` (its reference on the CPU; a hash layer's
-    scores from the logits the op returns, or from its gate; the weights normalised before or
-    after the sum) computes transformers' block: against the block run in fp64 on the same weights
-    it errs no more than the block itself in bf16."""
-    monkeypatch.setattr(hf_experts, "HASH_ROUTER_IN_OP", hash_router_in_op)
+    scores from the logits the op returns or from its gate, a learned router through
+    ``dsv4::router_topk`` or its gate; the weights normalised before or after the sum) computes
+    transformers' block: against the block run in fp64 on the same weights it errs no more than
+    the block itself in bf16."""
+    monkeypatch.setattr(hf_experts, "HASH_ROUTER_IN_OP", router_op)
+    monkeypatch.setattr(hf_experts, "LEARNED_ROUTER_OP", router_op)
     monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
     block = _moe_block(layer_idx)
     x = torch.randn(1, tokens, 256).bfloat16()
@@ -223,16 +225,18 @@ def test_moe_forward_is_the_block_off_cuda():
 
 
 @pytest.mark.parametrize("layer_idx", [0, 1])  # hash-routed, learned router
-@pytest.mark.parametrize("normalise_after_sum", [False, True])
+@pytest.mark.parametrize("switches_on", [False, True])
 @torch.no_grad()
-def test_moe_block_composed_compiles_whole(layer_idx, normalise_after_sum, monkeypatch):
-    """``torch.compile(fullgraph=True)`` of the composed block: no graph break, one frame, and the
-    eager composition's values (the op's reference on the CPU)."""
+def test_moe_block_composed_compiles_whole(layer_idx, switches_on, monkeypatch):
+    """``torch.compile(fullgraph=True)`` of the composed block (with ``NORMALISE_AFTER_SUM`` and
+    ``LEARNED_ROUTER_OP`` both off, then both on): no graph break, one frame, and the eager
+    composition's values (the ops' references on the CPU)."""
     from torch._dynamo.utils import counters
 
     from tests.support.compile_checks import fresh_compile_state
 
-    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
+    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", switches_on)
+    monkeypatch.setattr(hf_experts, "LEARNED_ROUTER_OP", switches_on)
     block = _moe_block(layer_idx)
     x = torch.randn(1, 5, 256).bfloat16()
     input_ids = torch.randint(0, block.experts.config.vocab_size, (1, 5))
@@ -242,3 +246,37 @@ def test_moe_block_composed_compiles_whole(layer_idx, normalise_after_sum, monke
         got = compiled(x, input_ids)
         assert sum(counters["graph_break"].values()) == 0 and counters["stats"]["unique_graphs"] == 1
     torch.testing.assert_close(got, hf_experts.moe_block_composed(block, x, input_ids), atol=0, rtol=0)
+
+
+@torch.no_grad()
+def test_router_topk_reference_is_the_learned_router():
+    """``dsv4::router_topk`` (its reference on the CPU) against transformers' ``DeepseekV4TopKRouter``
+    with a bias that reorders its choice: the logits to a bf16 rounding, and the same experts for
+    every token whose k-th and (k+1)-th biased scores the router's bf16 keeps apart."""
+    gate = _moe_block(1).gate
+    gate.e_score_correction_bias.normal_(0, 1.0)
+    x = torch.randn(1, 64, 256).bfloat16()
+    logits_hf, _, indices_hf = gate(x)
+    indices, logits = torch.ops.dsv4.router_topk(x[0], gate.weight, gate.e_score_correction_bias, gate.top_k)
+    assert indices.shape == (64, gate.top_k) and logits.dtype == torch.bfloat16
+    torch.testing.assert_close(logits, logits_hf, atol=2e-2, rtol=1.6e-2)
+    ranked = (gate.score_fn(logits_hf) + gate.e_score_correction_bias).float().sort(dim=-1, descending=True).values
+    apart = ranked[:, gate.top_k - 1] - ranked[:, gate.top_k] > 0.05
+    assert apart.float().mean() > 0.5
+    assert torch.equal(indices[apart].sort(dim=-1).values, indices_hf[apart].sort(dim=-1).values)
+    unbiased = ref.topk_indices(torch.nn.functional.softplus(logits.float()).sqrt(), gate.top_k)
+    assert not torch.equal(indices.sort(dim=-1).values, unbiased.sort(dim=-1).values)
+
+
+def test_router_topk_bad_arguments_name_themselves():
+    x, w, b = torch.randn(3, 64).bfloat16(), torch.randn(8, 64).bfloat16(), torch.zeros(8)
+    cases = [((x.int(), w, b, 2), TypeError, "x must have dtype"),
+             ((x, w.half(), b, 2), TypeError, "weight must have dtype"),
+             ((x, w[:, :32], b, 2), ValueError, "weight has shape"),
+             ((x, w[:0], b[:0], 1), ValueError, "weight's expert count=0"),
+             ((x, w, b[:4], 2), ValueError, "bias has shape"),
+             ((x, w, b, 9), ValueError, "k=9"),
+             ((x, w, b.to("meta"), 2), ValueError, "bias is on meta")]
+    for args, error, message in cases:
+        with pytest.raises(error, match=message):
+            torch.ops.dsv4.router_topk(*args)
