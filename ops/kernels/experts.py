@@ -311,17 +311,18 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_per_spli
 
 
 @triton.jit
-def _router_topk_kernel(part_ptr, bias_ptr, logits_ptr, out_ptr, T, E, splits, K: tl.constexpr, EP: tl.constexpr):
-    """Token ``pid``: its logits, the partials of every split summed in split order and rounded to
-    ``logits``' dtype, stored; then the ``K`` largest of ``sqrt(softplus(logit)) + bias`` into
-    ``out [T, K]``, descending."""
+def _router_topk_kernel(part_ptr, bias_ptr, logits_ptr, out_ptr, T, E, splits, K: tl.constexpr, EP: tl.constexpr,
+                        SPLITS_POW2: tl.constexpr):
+    """Token ``pid``: its logits, the partials of every split summed (all loaded at once: one memory
+    round trip, not one per split) and rounded to ``logits``' dtype, stored; then the ``K`` largest
+    of ``sqrt(softplus(logit)) + bias`` into ``out [T, K]``, descending."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EP)
     live = cols < E
-    logit = tl.zeros((EP,), dtype=tl.float32)
-    for s in range(splits):
-        logit += tl.load(part_ptr + (s * T + row) * E + cols, mask=live, other=0.0)
-    logit = logit.to(logits_ptr.dtype.element_ty)
+    split = tl.arange(0, SPLITS_POW2)
+    parts = tl.load(part_ptr + ((split * T + row) * E)[:, None] + cols[None, :],
+                    mask=(split < splits)[:, None] & live[None, :], other=0.0)
+    logit = tl.sum(parts, axis=0).to(logits_ptr.dtype.element_ty)
     tl.store(logits_ptr + row * E + cols, logit, mask=live)
     bias = tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
     _store_topk(tl.sqrt(_softplus(logit.to(tl.float32))) + bias, live, cols, out_ptr + row * K, K, EP)
@@ -337,7 +338,8 @@ def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
                        config: TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``dsv4::router_topk`` for ``T <= ROUTER_MAX_TOKENS`` tokens in two launches: ``x [T, H]``,
     ``weight [E, H]`` of ``x``'s dtype, ``bias [E]`` -> ``(indices [T, k] int64, logits [T, E])``.
-    The product is split over experts and over H until the grid fills the GPU's SMs, into fp32
+    The product is split over experts and over H until the grid fills the GPU's SMs (at most
+    ``num_sms`` programs, so one program a token can load all its partials at once), into fp32
     partials; one program a token sums them (no split-K counters to zero), scores and selects."""
     t, hidden = x.shape
     num_experts = weight.shape[0]
@@ -356,7 +358,7 @@ def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         _router_partial_kernel[(e_blocks, splits)](x, weight, part, t, num_experts, hidden, x.stride(0), k_per_split,
                                                    T_PAD=DOT_MIN_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
                                                    num_warps=warps, num_stages=stages)
-        ep = triton.next_power_of_2(num_experts)
+        ep, splits_pow2 = triton.next_power_of_2(num_experts), triton.next_power_of_2(splits)
         _router_topk_kernel[(t,)](part, bias.contiguous(), logits, indices, t, num_experts, splits, K=k, EP=ep,
-                                  num_warps=max(1, min(4, ep // 256)))
+                                  SPLITS_POW2=splits_pow2, num_warps=max(1, min(4, splits_pow2 * ep // 1024)))
     return indices, logits
