@@ -1,4 +1,4 @@
-"""Triton kernels of ``dsv4::routed_experts`` for a decode step's few slots.
+"""Triton kernels of ``dsv4::routed_experts`` for a decode step's few slots, and of the routers.
 
 At a handful of tokens the routed experts are bound by reading their weights: a grouped GEMM
 sorts the slots by expert, computes group offsets and pads each group to a GEMM tile, several
@@ -21,7 +21,10 @@ stream beside the routed experts' instead of in launches of their own.
 
 ``_topk_indices_kernel`` (``dsv4::topk_indices``, the router's choice of experts): one program per
 row holds the row's scores as order-preserving integer keys and takes the largest ``k`` times, the
-lowest column among equal keys each time.
+lowest column among equal keys each time. ``dsv4::router_topk`` (a learned router whole) is
+``_router_partial_kernel``, the product split over experts and H into fp32 partials, then
+``_router_topk_kernel``, a program per token that sums its partials, scores and selects as
+``_topk_indices_kernel`` does.
 
 The grid has one row of programs per expert the slots can reach, not per expert of the layer: a
 model of 256 experts launches 6 rows at one token, not 256 of which 250 would start only to exit.
