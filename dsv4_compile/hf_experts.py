@@ -118,14 +118,13 @@ def moe_forward(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.
 
 def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """``DeepseekV4SparseMoeBlock.forward`` composed around one ``dsv4::moe_experts`` (the routed
-    experts, the shared expert and, for a hash-routed layer, the router's logits): a learned router
-    runs first (its choice needs its logits); a hash router's table chooses, and its scoring
-    (transformers' ``DeepseekV4HashRouter`` after its product, written out here) reads the logits
-    the op computed beside the experts (where its weight is plain, of the activations' dtype; else
-    the gate runs as a whole). A learned router runs as ``dsv4::router_topk`` where
-    :func:`_runs_router_topk_op` says so, else as the gate. Then :func:`_routed_sum` of the chosen
-    experts' scores (both routers score ``score_fn(logits)`` at the chosen columns; a learned
-    router's own weights go unused), plus the shared expert."""
+    experts, the shared expert and a hash-routed layer's router logits). The experts are chosen by
+    a hash layer's table (its router's product then runs inside the op where its weight is plain,
+    of the activations' dtype; else the gate runs whole), or by a learned router before the op
+    (its choice needs its logits): ``dsv4::router_topk`` where :func:`_runs_router_topk_op` says
+    so, else the gate. Both kinds score the chosen experts as transformers' routers do,
+    ``score_fn(logits)`` at the chosen columns (a learned gate's own weights go unused); then
+    :func:`_routed_sum`, plus the shared expert."""
     gate, experts, shared = block.gate, block.experts, block.shared_experts
     router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
     if router_in_op:
