@@ -126,18 +126,17 @@ def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids:
     ``score_fn(logits)`` at the chosen columns (a learned gate's own weights go unused); then
     :func:`_routed_sum`, plus the shared expert."""
     gate, experts, shared = block.gate, block.experts, block.shared_experts
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
     if router_in_op:
         indices = gate.tid2eid[input_ids.reshape(-1)].long()
     elif not block.is_hash and _runs_router_topk_op(gate, hidden_states.dtype):
-        indices, logits = torch.ops.dsv4.router_topk(hidden_states.reshape(-1, hidden_states.shape[-1]), gate.weight,
-                                                     gate.e_score_correction_bias, gate.top_k)
+        indices, logits = torch.ops.dsv4.router_topk(flat, gate.weight, gate.e_score_correction_bias, gate.top_k)
     else:
         logits, _, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
     slots, shared_out, op_logits = torch.ops.dsv4.moe_experts(
-        hidden_states.reshape(-1, hidden_states.shape[-1]), indices, experts.gate_up_proj, experts.down_proj,
-        float(experts.limit), shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight,
-        gate.weight if router_in_op else None)
+        flat, indices, experts.gate_up_proj, experts.down_proj, float(experts.limit), shared.gate_proj.weight,
+        shared.up_proj.weight, shared.down_proj.weight, gate.weight if router_in_op else None)
     scores = gate.score_fn(op_logits if router_in_op else logits).gather(1, indices)
     routed = _routed_sum(slots, scores, gate.routed_scaling_factor, hidden_states.dtype)
     return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)

@@ -128,8 +128,7 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor
     ``x @ router.T`` (``router [E_r, H]``, or None) -> ``(slots [T * K, H], shared [T, H], logits
     [T, E_r] or [T, 0])``, ``x``'s dtype, each as the three computed apart (the logits as
     ``F.linear`` rounds them)."""
-    logits = ((x.float() @ router.float().T).to(x.dtype) if router is not None
-              else x.new_empty(x.shape[0], 0))
+    logits = ref.router_logits(x, router) if router is not None else x.new_empty(x.shape[0], 0)
     return (ref.routed_experts(x, expert_ids, gate_up, down, limit),
             ref.shared_expert(x, shared_gate, shared_up, shared_down, limit), logits)
 
@@ -185,7 +184,7 @@ def _router_topk_fake(x, weight, bias, k):
 def _router_topk_cuda(x, weight, bias, k):
     if x.shape[0] > kernels.ROUTER_MAX_TOKENS or weight.shape[0] > TOPK_MAX_COLUMNS or k > TOPK_MAX_K:
         logits = F.linear(x, weight)
-        return topk_indices(F.softplus(logits.float()).sqrt() + bias.float(), k), logits
+        return topk_indices(ref.router_scores(logits, bias), k), logits
     return kernels.launch_router_topk(x, weight, bias, k)
 
 

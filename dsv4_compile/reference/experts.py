@@ -72,15 +72,26 @@ def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: t
     return (swiglu(gate_up, limit).float() @ down.float().T).to(x.dtype)
 
 
+def router_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """A router's logits: ``x [T, H]``, ``weight [E, H]`` of ``x``'s dtype -> ``x @ weight.T``
+    ``[T, E]``, accumulated in fp32 and rounded to ``x``'s dtype (as ``F.linear``)."""
+    return (x.float() @ weight.float().T).to(x.dtype)
+
+
+def router_scores(logits: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """DeepSeek V4's ``sqrtsoftplus`` scores of ``logits [T, E]``, fp32, plus ``bias [E]`` (the
+    selection's ``e_score_correction_bias``) when given."""
+    scores = F.softplus(logits.float()).sqrt()
+    return scores if bias is None else scores + bias.float()
+
+
 def router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """DeepSeek V4's learned router (transformers' ``DeepseekV4TopKRouter`` with its ``sqrtsoftplus``
-    scoring): ``x [T, H]``, ``weight [E, H]`` of ``x``'s dtype, ``bias [E]`` (the selection's
-    ``e_score_correction_bias``) -> ``(indices [T, k] int64, logits [T, E])``: the logits
-    ``x @ weight.T`` rounded to ``x``'s dtype (as ``F.linear``), and the ``k`` largest
-    ``sqrt(softplus(logits)) + bias`` (fp32) in descending order, as :func:`topk_indices` orders them."""
-    logits = (x.float() @ weight.float().T).to(x.dtype)
-    scores = F.softplus(logits.float()).sqrt() + bias.float()
-    return topk_indices(scores, k), logits
+    scoring): ``x [T, H]``, ``weight [E, H]`` of ``x``'s dtype, ``bias [E]`` -> ``(indices [T, k]
+    int64, logits [T, E])``: :func:`router_logits`, and the ``k`` largest :func:`router_scores` with
+    the bias in descending order, as :func:`topk_indices` orders them."""
+    logits = router_logits(x, weight)
+    return topk_indices(router_scores(logits, bias), k), logits
 
 
 def topk_indices(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -105,10 +105,6 @@ def _router(num_experts, hidden, device, dtype, seed=4):
     return (torch.randn(num_experts, hidden, generator=gen, device=device) * 0.3).to(dtype)
 
 
-def _logits(x, router):
-    return (x.float() @ router.float().T).to(x.dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens, topk", [(1, 2), (5, 2), (16, 4)])
 @pytest.mark.parametrize("shared_inter", [32, 40, 24])  # as the routed experts', wider, narrower
@@ -124,7 +120,7 @@ def test_shared_expert_and_router_in_the_same_launches(device, dtype, tokens, to
     slots, shared_out, logits = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, shared, router, *SMALL)
     assert shared_out.shape == (tokens, 48) and shared_out.dtype == dtype and logits.shape == (tokens, 4)
     torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
-    torch.testing.assert_close(logits, _logits(x, router), **TOL)
+    torch.testing.assert_close(logits, ref.router_logits(x, router), **TOL)
     assert torch.equal(slots, kernels.launch_routed_experts(x, ids, gate_up, down, 10.0, *SMALL))
     _, _, none = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, shared, None, *SMALL)
     assert none.shape == (tokens, 0)
@@ -139,7 +135,7 @@ def test_router_of_more_experts_than_columns(device):
     router = _router(40, 48, device, torch.float16)
     _, _, logits = kernels.launch_moe_experts(x, ids, gate_up, down, 10.0, _shared(48, 16, device, torch.float16),
                                               router, *SMALL)
-    torch.testing.assert_close(logits, _logits(x, router), **TOL)
+    torch.testing.assert_close(logits, ref.router_logits(x, router), **TOL)
 
 
 def test_moe_experts_with_default_configs(device):
@@ -149,7 +145,7 @@ def test_moe_experts_with_default_configs(device):
     slots, shared_out, logits = torch.ops.dsv4.moe_experts(x, ids, gate_up, down, 10.0, *shared, router)
     torch.testing.assert_close(slots, ref.routed_experts(x, ids, gate_up, down, 10.0), **TOL)
     torch.testing.assert_close(shared_out, ref.shared_expert(x, *shared, 10.0), **TOL)
-    torch.testing.assert_close(logits, _logits(x, router), **TOL)
+    torch.testing.assert_close(logits, ref.router_logits(x, router), **TOL)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -193,10 +189,10 @@ def test_router_topk_kernels_match_the_reference(device, dtype, tokens, num_expe
     want_indices, want_logits = ref.router_topk(x, weight, bias, k)
     assert indices.shape == (tokens, k) and indices.dtype == torch.int64 and logits.dtype == dtype
     torch.testing.assert_close(logits, want_logits, **TOL)
-    scores = torch.nn.functional.softplus(logits.float()).sqrt() + bias
+    scores = ref.router_scores(logits, bias)
     assert torch.equal(indices, ref.topk_indices(scores, k))
     assert logits[0, 0] > 20 and (want_indices == indices).float().mean() > 0.9
-    unbiased = ref.topk_indices(torch.nn.functional.softplus(logits.float()).sqrt(), k)
+    unbiased = ref.topk_indices(ref.router_scores(logits), k)
     assert not torch.equal(indices, unbiased)  # the bias changes the choice
 
 
