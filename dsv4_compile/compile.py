@@ -2,10 +2,11 @@
 
 :func:`compile_step` is ``torch.compile`` of the stack's step with ``fullgraph=True``, dynamic
 request and token counts, CUDA graphs (``triton.cudagraphs``, what ``mode="reduce-overhead"``
-sets; a no-op on CPU) and the dsv4 passes as Inductor's ``post_grad_custom_post_pass``. CUDA-graph
-trees record one graph per distinct input shape and replay it whenever that shape comes back; the
-step's metadata is recomputed inside the graph from the step tensors, so nothing else has to be
-copied, refreshed or kept per bucket. Padding the request and token counts up to a few bucket
+sets; a no-op on CPU) and the dsv4 passes as Inductor's custom passes (post-grad, and pre-grad
+for the rewrites that can run on Dynamo's graph). CUDA-graph trees record one graph per distinct
+input shape and replay it whenever that shape comes back; the step's metadata is recomputed
+inside the graph from the step tensors, so nothing else has to be copied, refreshed or kept per
+bucket. Padding the request and token counts up to a few bucket
 sizes (``step.REQUEST_BUCKETS`` / ``step.TOKEN_BUCKETS``) bounds the number of recorded graphs.
 
 Frames (docs/compile.md, "Frames and the recompile limit"): every forward mode traces the same
@@ -49,7 +50,7 @@ FRAME_SHAPE_CONFIG = {"backed_size_oblivious": True, "use_duck_shape": False}
 # traced as literals, not as the 0-dim CPU float64 graph inputs ``dynamic=True`` makes of them
 # on torch 2.13, so that the FX passes can match them (the Sinkhorn eps).
 FRAME_DYNAMO_CONFIG = {"specialize_float": True}
-_CUDA_GRAPHS, _POST_PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
+_CUDA_GRAPHS, _POST_PASS, _PRE_PASS = "triton.cudagraphs", "post_grad_custom_post_pass", "pre_grad_custom_pass"
 # compile_step(cuda_graphs=STEP_GRAPHS): the whole step captured per input signature (step_graphs.py)
 STEP_GRAPHS = "step"
 
@@ -59,8 +60,10 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
     """The Inductor options :func:`compile_step` compiles with: ``mode``'s options
     (``torch._inductor.list_mode_options``), updated by ``options``, then what the step needs
     where they leave it open: CUDA graphs on unless ``cuda_graphs``, ``options`` or a
-    ``*-no-cudagraphs`` mode say otherwise (a contradiction raises), and ``passes`` (default: ``DSV4PassManager()``, the default pass list) as the post-grad
-    custom pass, a slot ``options`` may not take (torch 2.11 accepts a single pass there)."""
+    ``*-no-cudagraphs`` mode say otherwise (a contradiction raises), and ``passes`` (default:
+    ``DSV4PassManager()``, the default pass list) as the post-grad custom pass and, through its
+    pre-grad stage, the pre-grad one: slots ``options`` may not take (torch 2.11 accepts a single
+    pass in each)."""
     try:
         merged = dict(torch._inductor.list_mode_options(mode)) if mode else {}
     except (KeyError, RuntimeError):  # torch 2.11 / 2.13
@@ -68,9 +71,10 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
     if mode and mode.endswith("-no-cudagraphs"):  # says so by its name only
         merged[_CUDA_GRAPHS] = False
     merged.update(options or {})
-    if _POST_PASS in merged:
-        raise ValueError(f"options[{_POST_PASS!r}] would replace the dsv4 passes: pass "
-                         "passes=DSV4PassManager([...]) with every pass to run instead")
+    for slot in (_PRE_PASS, _POST_PASS):
+        if slot in merged:
+            raise ValueError(f"options[{slot!r}] would replace the dsv4 passes: pass "
+                             "passes=DSV4PassManager([...]) with every pass to run instead")
     if cuda_graphs is None:
         merged.setdefault(_CUDA_GRAPHS, True)
     elif merged.get(_CUDA_GRAPHS, cuda_graphs) != cuda_graphs:
@@ -79,6 +83,7 @@ def compile_options(mode: str | None = None, options: Mapping[str, Any] | None =
     else:
         merged[_CUDA_GRAPHS] = cuda_graphs
     merged[_POST_PASS] = DSV4PassManager() if passes is None else passes
+    merged[_PRE_PASS] = merged[_POST_PASS].pre_grad_stage()
     return merged
 
 

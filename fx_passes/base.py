@@ -53,6 +53,13 @@ class DSV4InductorPass(CustomGraphPass):
     def apply(self, graph: torch.fx.Graph) -> int:
         raise NotImplementedError
 
+    def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
+        """Rewrite Dynamo's graph, before AOTAutograd decomposes it (Inductor's pre-grad stage);
+        return the matches. Most passes rewrite the post-grad graph only: this default does
+        nothing. A pass that can find its chains among this package's op calls there spares each
+        node it removes AOTAutograd's trace, a fake-tensor propagation and the post-grad search."""
+        return 0
+
     def __call__(self, graph: torch.fx.Graph) -> None:
         self.matched_count += self.apply(graph)
         graph.lint()

@@ -15,6 +15,13 @@ and dtypes must agree; a norm or rotation written otherwise is left as it is. On
 of ``devices`` (CUDA by default: elsewhere the op is the same math) with bf16 / fp16 rows are
 replaced.
 
+This package's own layers call the norm and RoPE as ops (``dsv4::rms_norm``, ``dsv4::rope_tail``),
+which AOTAutograd decomposes into the same math. Their chains are fused before that, in Dynamo's
+graph (:meth:`FuseNormRopePass.apply_pre_grad`): one node for two there, and none of the two dozen
+aten nodes the decomposition would make for AOTAutograd to trace, Inductor to propagate fake
+tensors through and the matcher to search. The post-grad matcher then finds what is written out
+(``transformers``' norms, graphs traced without the pre-grad stage).
+
 Compile time: the patterns are traced once per process (per devices, with or without
 ``transformers``' norms), and within one graph a re-trace is reused by every candidate of the same
 function at the same argument shapes, dtypes and strides (a stack's layers repeat a handful of
@@ -30,6 +37,7 @@ import types
 import torch
 import torch.utils._pytree as pytree
 from torch._inductor.pattern_matcher import Match, PatternMatcherPass, fwd_only, register_replacement
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope)
 from ..ops.norm_rope import DTYPES
@@ -40,6 +48,8 @@ _EPS = 1e-6  # traced value of the norms' eps; the pattern takes any (scalar_wor
 _HF_MODULE = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 # traces of the graph being rewritten, by function and argument signature (None outside a rewrite)
 _graph_traces: dict | None = None
+_NORM_OP, _ROPE_OP = torch.ops.dsv4.rms_norm, torch.ops.dsv4.rope_tail
+_FUSED = torch.ops.dsv4.rms_norm_rope.default
 
 
 def _trace(fn, args, **kwargs) -> torch.fx.GraphModule:
@@ -150,12 +160,83 @@ def _on_devices(devices: tuple[str, ...], match: Match) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in devices
 
 
+def _power_of_two(n: object) -> bool:
+    return isinstance(n, int) and n > 0 and not n & (n - 1)
+
+
 def _device_of(node: torch.fx.Node) -> str | None:
     val = node.meta.get("val")
     return val.device.type if isinstance(val, torch.Tensor) else None
 
 
+def _calls(graph: torch.fx.Graph, op: torch._ops.OpOverloadPacket) -> list[torch.fx.Node]:
+    """The nodes of Dynamo's graph calling ``op``: it records the packet, or an overload named."""
+    return [*graph.find_nodes(op="call_function", target=op), *graph.find_nodes(op="call_function", target=op.default)]
+
+
+def _arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket) -> dict:
+    """The arguments of ``node``, a call of ``op``, by name, defaults included."""
+    schema = op.default._schema.arguments
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named.update(zip((a.name for a in schema), node.args))
+    named.update(node.kwargs)
+    return named
+
+
+def _traced(arg: object) -> object:
+    """What Dynamo traced ``arg`` to (its fake value), None for anything but a node."""
+    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+
+
 class FuseNormRopePass(OnDevicesPass):
+    def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
+        """``rope_tail(rms_norm(x, weight, eps), positions, inv_freq)`` calls in Dynamo's graph,
+        the norm read by the rotation alone, on the forms the post-grad patterns match (a key
+        ``[T, D]`` at ``positions [T]``, a query ``[T, H, D]`` at ``positions.unsqueeze(1)``):
+        one ``rms_norm_rope`` call each."""
+        matches = 0
+        for rope in _calls(graph, _ROPE_OP):
+            chain = self._fusable_chain(rope)
+            if chain is None:
+                continue
+            args, inputs = chain
+            with graph.inserting_before(rope):
+                fused = graph.call_function(_FUSED, args)
+            fused.meta.update(rope.meta)  # the same value: x's shape and dtype, contiguous
+            rope.replace_all_uses_with(fused)
+            graph.erase_node(rope)
+            for node in inputs:  # the norm, and the query's unsqueezed positions unless read elsewhere
+                if not node.users:
+                    graph.erase_node(node)
+            matches += 1
+        return matches
+
+    def _fusable_chain(self, rope: torch.fx.Node) -> tuple[tuple, list[torch.fx.Node]] | None:
+        """``rms_norm_rope``'s arguments for the chain ending in ``rope`` and the nodes it reads
+        that the fused call does not, or None."""
+        r = _arguments(rope, _ROPE_OP)
+        norm = r["x"]
+        if r["inverse"] is not False or not (isinstance(norm, torch.fx.Node) and len(norm.users) == 1
+                                             and norm.target in (_NORM_OP, _NORM_OP.default)):
+            return None
+        n = _arguments(norm, _NORM_OP)
+        x, positions = _traced(n["x"]), r["positions"]
+        if not (isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in self.devices
+                and x.dim() in (2, 3)):
+            return None
+        inputs = [norm]
+        if x.dim() == 3:  # a query: the token positions broadcast over its heads
+            if not (isinstance(positions, torch.fx.Node) and positions.op == "call_method"
+                    and positions.target == "unsqueeze" and positions.args[1:] == (1,) and not positions.kwargs):
+                return None
+            inputs.append(positions)
+            positions = positions.args[0]
+        p, inv_freq = _traced(positions), _traced(r["inv_freq"])
+        if not (isinstance(p, torch.Tensor) and p.dim() == 1 and statically_known_true(p.shape[0] == x.shape[0])
+                and isinstance(inv_freq, torch.Tensor) and _power_of_two(inv_freq.shape[0])):
+            return None
+        return (n["x"], n["weight"], n["eps"], False, positions, r["inv_freq"]), inputs
+
     def apply(self, graph: torch.fx.Graph) -> int:
         global _graph_traces
         if not any(_device_of(node) in self.devices for node in graph.nodes):

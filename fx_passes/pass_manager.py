@@ -1,4 +1,5 @@
-"""The ordered list of dsv4 passes, installed as Inductor's ``post_grad_custom_post_pass``.
+"""The ordered list of dsv4 passes, installed as Inductor's ``post_grad_custom_post_pass`` (and,
+through :meth:`DSV4PassManager.pre_grad_stage`, as its ``pre_grad_custom_pass``).
 
 torch 2.11 accepts a single custom pass there, so the manager is that pass and runs its own
 list in order; its ``uuid`` combines every pass's uuid (a changed pass invalidates cached graphs).
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import DSV4InductorPass, hash_source
 from .fuse_grouped_linear import FuseGroupedLinearPass
@@ -53,6 +55,33 @@ class DSV4PassManager(DSV4InductorPass):
             total += p.matched_count - before
         return total
 
+    def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
+        total = 0
+        for p in self.passes:
+            matched = p.apply_pre_grad(graph)
+            p.matched_count += matched
+            total += matched
+        return total
+
+    def pre_grad_stage(self) -> PreGradStage:
+        """The same passes for Inductor's ``pre_grad_custom_pass`` slot."""
+        return PreGradStage(self)
+
     def uuid(self) -> str:
         return hashlib.sha256((hash_source(type(self)) + "".join(p.uuid() for p in self.passes)).encode()
                               ).hexdigest()
+
+
+class PreGradStage(CustomGraphPass):
+    """A manager's passes on Dynamo's graph, before AOTAutograd: each pass's ``apply_pre_grad``,
+    in order (docs/compile.md, "FX passes"). Its uuid is the manager's."""
+
+    def __init__(self, manager: DSV4PassManager) -> None:
+        self.manager = manager
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.manager.apply_pre_grad(graph)
+        graph.lint()
+
+    def uuid(self) -> str:
+        return self.manager.uuid()

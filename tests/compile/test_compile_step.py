@@ -20,7 +20,7 @@ from tests.support.oracle_asserts import assert_outputs_match
 M = ForwardMode
 TINY = DSV4AttnConfig.from_name("tiny").with_(index_topk=64, compress_ratios=(4, 128))
 DRAFT = TINY.with_(compress_ratios=(0,))
-CG, PASS = "triton.cudagraphs", "post_grad_custom_post_pass"
+CG, PASS, PRE_PASS = "triton.cudagraphs", "post_grad_custom_post_pass", "pre_grad_custom_pass"
 
 
 @pytest.mark.parametrize("mode, options, cuda_graphs, want", [
@@ -41,6 +41,7 @@ def test_compile_options_merge_mode_options_and_ours(mode, options, cuda_graphs,
     passes = DSV4PassManager([])
     got = compile_options(mode, options, cuda_graphs, passes)
     assert got.pop(PASS) is passes
+    assert got.pop(PRE_PASS).manager is passes  # the same passes' pre-grad stage
     assert got == want
     assert isinstance(compile_options(mode, options, cuda_graphs)[PASS], DSV4PassManager)  # default: every pass
 
@@ -50,6 +51,7 @@ def test_compile_options_merge_mode_options_and_ours(mode, options, cuda_graphs,
     ({"mode": "max-autotune-no-cudagraphs", "cuda_graphs": True}, "contradicts"),
     ({"options": {CG: True}, "cuda_graphs": False}, "contradicts"),
     ({"options": {PASS: DSV4PassManager([])}}, "passes="),
+    ({"options": {PRE_PASS: DSV4PassManager([]).pre_grad_stage()}}, "passes="),
     ({"mode": "fast"}, "mode='fast'"),
 ])
 def test_compile_options_refuse_contradictions(kwargs, match):

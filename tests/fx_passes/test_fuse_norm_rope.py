@@ -11,14 +11,18 @@ import sys
 
 import pytest
 import torch
+from torch._inductor.pattern_matcher import PatternMatcherPass
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm, DeepseekV4UnweightedRMSNorm
 
+from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.reference.functional import apply_rope, rms_norm, rope_tail
-from tests.support.compile_checks import fresh_compile_state
+from dsv4_compile.testing.oracle_recorder import make_engine
+from tests.support.compile_checks import GraphCapture, fresh_compile_state
 from tests.support.hf_model import three_layer_prefill
+from tests.support.oracle_asserts import assert_outputs_match
 
 FUSED = "dsv4.rms_norm_rope.default"
 EPS = 1e-5  # not the patterns' traced eps: the pattern takes the graph's
@@ -159,3 +163,75 @@ def test_transformers_norms_matched_only_once_imported(monkeypatch):
                                         inv_freq, devices=("cuda",))
     assert (matches, ops) == (0, [])
     torch.testing.assert_close(got, want)
+
+
+OPS = torch.ops.dsv4
+# chains of the package's op calls, at (x, weight, positions, inv_freq): -> matches in Dynamo's graph
+OP_CHAINS = {
+    "query": (lambda x, w, p, f: OPS.rope_tail(OPS.rms_norm(x, None, EPS), p.unsqueeze(1), f), 4, 1),
+    "key": (lambda x, w, p, f: OPS.rope_tail(OPS.rms_norm(x, w, EPS), p, f), None, 1),
+    "key, keywords": (lambda x, w, p, f: OPS.rope_tail(x=OPS.rms_norm(x, eps=EPS, weight=w), inv_freq=f,
+                                                       positions=p), None, 1),
+    "norm read twice": (lambda x, w, p, f: (OPS.rope_tail(n := OPS.rms_norm(x, w, EPS), p, f), n), None, 0),
+    "inverse": (lambda x, w, p, f: OPS.rope_tail(OPS.rms_norm(x, w, EPS), p, f, True), None, 0),
+    "fp32": (lambda x, w, p, f: OPS.rope_tail(OPS.rms_norm(x.float(), w, EPS), p, f), None, 0),
+    "query, positions[:, None]": (lambda x, w, p, f: OPS.rope_tail(OPS.rms_norm(x, None, EPS), p[:, None], f), 4, 0),
+}
+
+
+def _dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of ``fn`` at ``args`` (static shapes) and the inputs it takes."""
+    capture = GraphCapture("eager")
+    with fresh_compile_state():
+        torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
+    return capture.graphs[-1], capture.inputs[-1]
+
+
+@pytest.mark.parametrize("chain", list(OP_CHAINS))
+def test_op_calls_fused_in_dynamos_graph(chain):
+    """The pre-grad stage on Dynamo's graph: ``rope_tail(rms_norm(...))`` calls of a query or key
+    become one ``rms_norm_rope`` call, which computes the same bits; a norm read elsewhere, an
+    inverse rotation, fp32 rows, positions broadcast otherwise than by ``unsqueeze(1)`` (left to
+    the post-grad patterns) stay."""
+    fn, heads, want_matches = OP_CHAINS[chain]
+    x, positions, inv_freq = _inputs(heads)
+    args = (x, HF_WEIGHTED.weight, positions, inv_freq)
+    gm, inputs = _dynamo_graph(fn, *args)
+    calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert FuseNormRopePass(("cpu",)).apply_pre_grad(gm.graph) == want_matches
+    gm.recompile()
+    ops = [str(n.target) for n in gm.graph.nodes if str(n.target).startswith("dsv4.")]
+    if want_matches:
+        assert ops == ["dsv4.rms_norm_rope.default"]
+        assert len(gm.graph.find_nodes(op="call_method", target="unsqueeze")) == 0
+    else:
+        assert [n.target for n in gm.graph.nodes if n.op == "call_function"] == calls
+    got, want = gm(*inputs), fn(*args)
+    assert all(torch.equal(g, w) for g, w in zip(torch.utils._pytree.tree_leaves(got),
+                                                  torch.utils._pytree.tree_leaves(want), strict=True))
+
+
+def test_op_calls_on_other_devices_stay():
+    fn, heads, _ = OP_CHAINS["query"]
+    x, positions, inv_freq = _inputs(heads)
+    gm, _ = _dynamo_graph(fn, x, HF_WEIGHTED.weight, positions, inv_freq)
+    assert FuseNormRopePass().apply_pre_grad(gm.graph) == 0  # CUDA only, CPU tensors
+
+
+@torch.no_grad()
+def test_stack_step_chains_fused_before_autograd(monkeypatch):
+    """compile_step installs the pre-grad stage: a 3-layer stack's query and key chains (two a
+    layer) fuse in Dynamo's graph, with no post-grad pattern to find them, and the compiled
+    decode step matches the oracle."""
+    from dsv4_compile.fx_passes import fuse_norm_rope
+
+    monkeypatch.setattr(fuse_norm_rope, "_patterns", lambda *a: PatternMatcherPass())
+    config = DSV4AttnConfig.from_name("tiny").with_(index_topk=64, compress_ratios=(0, 4, 128))
+    eng, rec = make_engine(config, max_requests=2, max_seq_len=512, capture_layers=False)
+    row = eng.admit()
+    fuse = FuseNormRopePass(("cpu",))
+    with fresh_compile_state():
+        rec.run(ForwardMode.EXTEND, {row: 40})
+        eng.forward = compile_step(eng.stack, passes=DSV4PassManager([fuse]), options=EXACT_NUMERICS)
+        assert_outputs_match(rec, rec.run(ForwardMode.DECODE, {row: 1}))
+    assert fuse.matched_count == fuse.last_ops.count(FUSED) == 6

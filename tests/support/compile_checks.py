@@ -17,9 +17,11 @@ class GraphCapture(CompileCounterWithBackend):
     def __init__(self, backend: str = "eager"):
         super().__init__(backend)
         self.graphs: list[torch.fx.GraphModule] = []
+        self.inputs: list[list] = []  # each graph's inputs at its compile, in placeholder order
 
     def __call__(self, gm, example_inputs):
         self.graphs.append(gm)
+        self.inputs.append(list(example_inputs))
         return super().__call__(gm, example_inputs)
 
     def dsv4_ops(self, index: int = -1) -> list[str]:
