@@ -50,7 +50,7 @@ def _checked(fn: Callable, check: Callable) -> Callable:
 
 def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None = None,
             mutates_args: Sequence[str] = (), device_types: str | None = None, schema: str | None = None,
-            decompose: bool = False):
+            decompose: bool | Callable[..., bool] = False):
     """Decorator turning a reference function into the custom op ``dsv4::<name>`` (see module doc).
 
     ``device_types="cuda"`` registers no reference kernel: the op then runs only on CUDA, through
@@ -64,10 +64,12 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
     compiles (and fuses, and the FX passes match) what the torch ops written out would give. For
     math a layer repeats several times (RMSNorm, RoPE): each traced aten op costs Dynamo ~1.5 ms
     of a compile, once per layer and call (docs/compile.md, "Compile time: math a layer repeats,
-    as one traced op").
+    as one traced op"). ``decompose`` may instead be a predicate of the op's arguments: the calls
+    it holds for are decomposed, the others stay the op's node in Inductor's graph and run its
+    kernel (``cuda`` on CUDA), for an op whose kernel pays for some of its calls only.
     """
-    if decompose and cuda is not None:
-        raise ValueError(f"dsv4.{name}: an op with a CUDA kernel is not decomposed")
+    if decompose is True and cuda is not None:
+        raise ValueError(f"dsv4.{name}: an op with a CUDA kernel is decomposed only where a predicate says so")
 
     def register(reference: Callable) -> torch.library.CustomOpDef:
         impl = _checked(cuda if device_types is not None and cuda is not None else reference, check)
@@ -80,9 +82,35 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
             _REFERENCES[name] = impl
         if decompose:
             from torch._inductor.decomposition import register_decomposition
-            register_decomposition(getattr(torch.ops.dsv4, name).default)(impl)
+            overload = getattr(torch.ops.dsv4, name).default
+            register_decomposition(overload)(
+                impl if decompose is True else _decomposed_where(decompose, impl, overload))
         return op
     return register
+
+
+def _decomposed_where(predicate: Callable[..., bool], reference: Callable, op: torch._ops.OpOverload) -> Callable:
+    """A decomposition running ``reference`` where ``predicate`` holds; elsewhere it declines
+    (``NotImplemented``), and the tracer keeps the op's node."""
+    def decomposition(*args, **kwargs):
+        if predicate(*args, **kwargs):
+            return reference(*args, **kwargs)
+        _lowered_as_its_kernel(op)
+        return NotImplemented
+    return decomposition
+
+
+@functools.cache
+def _lowered_as_its_kernel(op: torch._ops.OpOverload) -> None:
+    """Register ``op``'s lowering in Inductor: a call of its kernel, with the layout constraint of
+    a custom op. Inductor makes that lowering itself for an op without a decomposition, and
+    refuses an op that has one; registered when the decomposition first declines (inside an
+    Inductor compile: the lowering module costs a second to import)."""
+    from torch._inductor import lowering
+    from torch._library.utils import get_layout_constraint_tag
+
+    constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
+    lowering.make_fallback(op, layout_constraint=constraint, warn=False, override_decomp=True)
 
 
 class traced_references(TorchFunctionMode):

@@ -1,7 +1,8 @@
 """RMSNorm and RoPE: ``dsv4::rms_norm`` and ``dsv4::rope_tail``, the reference math as one traced op
 each (the layers call them; Inductor decomposes them back into that math, so they cost Dynamo one
-node a call); RMSNorm followed by RoPE, fused: ``dsv4::rms_norm_rope``; and for a layer's key,
-followed by its cache write too: ``dsv4::rms_norm_rope_store_kv``.
+node a call; on CUDA an inverse RoPE stays one node, running its kernel); RMSNorm followed by
+RoPE, fused: ``dsv4::rms_norm_rope``; and for a layer's key, followed by its cache write too:
+``dsv4::rms_norm_rope_store_kv``.
 
 The model calls neither fused op: a compiled step gets the first from ``FuseNormRopePass``
 (``fx_passes/fuse_norm_rope.py``), which finds a layer's query norm + RoPE (per head) and key norm
@@ -65,12 +66,23 @@ def _check_rope_tail(x, positions, inv_freq, inverse=False) -> None:
     check_devices("rope_tail", x=x, positions=positions, inv_freq=inv_freq)
 
 
-@dsv4_op("rope_tail", check=_check_rope_tail, fake=_same_as_x, decompose=True)
+def _rope_tail_decomposed(x, positions, inv_freq, inverse=False) -> bool:
+    """Which ``rope_tail`` calls Inductor decomposes: all but the inverse rotations on CUDA. The
+    inverse rotation is the attention output's, between two ops Inductor cannot fuse with, so
+    its kernel is one launch as Inductor's would be, and one node for AOTAutograd to trace where
+    the decomposition makes ~25 (one such call a layer). The forward rotations
+    stay decomposed: the norm + RoPE patterns match them, and Inductor fuses them."""
+    return not (inverse and x.device.type == "cuda" and HAS_TRITON)
+
+
+@dsv4_op("rope_tail", check=_check_rope_tail, fake=_same_as_x, decompose=_rope_tail_decomposed,
+         cuda=kernels.launch_rope_tail if HAS_TRITON else None)
 def rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, inverse: bool = False
               ) -> torch.Tensor:
     """``reference.functional.rope_tail`` as one traced op: RoPE (its inverse when ``inverse``) on
     the last R dims of ``x [..., D]`` at ``positions`` (int, broadcast to ``x.shape[:-1]``),
-    ``inv_freq [R / 2] fp32`` -> x's shape and dtype, a new contiguous tensor."""
+    ``inv_freq [R / 2] fp32`` -> x's shape and dtype, a new contiguous tensor. On CUDA one
+    program a row (``ops/kernels/norm_rope.py``)."""
     return ref.rope_tail(x, positions, inv_freq, inverse)
 
 

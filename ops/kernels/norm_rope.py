@@ -1,6 +1,7 @@
 """Triton kernels of ``dsv4::rms_norm_rope`` and ``dsv4::rms_norm_rope_store_kv``: the RMSNorm and
 RoPE of one row (a token's key, or one head of its query) in one program; for the second, the
-key's FP8 quantisation and cache write in the same program.
+key's FP8 quantisation and cache write in the same program. And ``dsv4::rope_tail``'s: the RoPE
+(or its inverse) of one row.
 
 Program ``r`` loads row ``r`` once, reduces its sum of squares in fp32, scales it (by the weight,
 or with the scale rounded to the row's dtype for ``round_scale``) and rounds to the row's dtype, as
@@ -15,6 +16,8 @@ Shape legend: R = rows (tokens x heads), D = row length, HALF = RoPE pairs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -75,9 +78,40 @@ def _rotated_pairs(x_row, w_ptr, even, scale, pos, freq_ptr, HALF: tl.constexpr,
         w1 = tl.load(w_ptr + even + 1).to(tl.float32)
     y0 = _normed(x0, scale, w0, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
     y1 = _normed(x1, scale, w1, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
-    angle = pos.to(tl.float32) * tl.load(freq_ptr + tl.arange(0, HALF))
+    return _rotated(y0, y1, pos, tl.load(freq_ptr + tl.arange(0, HALF)), False, DTYPE)
+
+
+@triton.jit
+def _rotated(y0, y1, pos, freq, INVERSE: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 pairs ``(y0, y1)`` rotated by the angles ``pos * freq`` (by their negatives when
+    INVERSE) in fp32, rounded once to ``DTYPE``."""
+    angle = pos.to(tl.float32) * freq
     cos, sin = tl.cos(angle), tl.sin(angle)
+    if INVERSE:
+        sin = -sin
     return (y0 * cos - y1 * sin).to(DTYPE), (y0 * sin + y1 * cos).to(DTYPE)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D: tl.constexpr, BLOCK_NOPE: tl.constexpr,
+                 HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, INVERSE: tl.constexpr):
+    """Grid ``[R]``: x / out ``[R, D]`` contiguous, pos ``[R / rows_per_token]``, freq ``[HALF]``
+    fp32. Row ``r`` is copied, its last ``2 * HALF`` values rotated in pairs at
+    ``pos[r // rows_per_token]``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, out_row = x_ptr + row * D, out_ptr + row * D
+    nope = D - 2 * HALF
+    cols = tl.arange(0, BLOCK_NOPE)
+    tl.store(out_row + cols, tl.load(x_row + cols, mask=cols < nope), mask=cols < nope)
+    pair = tl.arange(0, BLOCK_HALF)
+    in_half = pair < HALF
+    even = nope + 2 * pair
+    y0 = tl.load(x_row + even, mask=in_half, other=0.0).to(tl.float32)
+    y1 = tl.load(x_row + even + 1, mask=in_half, other=0.0).to(tl.float32)
+    freq = tl.load(freq_ptr + pair, mask=in_half, other=0.0)
+    r0, r1 = _rotated(y0, y1, tl.load(pos_ptr + row // rows_per_token), freq, INVERSE, out_ptr.dtype.element_ty)
+    tl.store(out_row + even, r0, mask=in_half)
+    tl.store(out_row + even + 1, r1, mask=in_half)
 
 
 @triton.jit
@@ -126,6 +160,29 @@ def launch_rms_norm_rope(x: torch.Tensor, weight: torch.Tensor | None, eps: floa
                                rows // x.shape[0], eps, D=d, BLOCK_D=block_d, HALF=inv_freq.shape[0],
                                HAS_WEIGHT=weight is not None, ROUND_SCALE=round_scale,
                                num_warps=max(1, min(4, block_d // 128)))
+    return out
+
+
+def launch_rope_tail(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                     inverse: bool = False) -> torch.Tensor:
+    """``dsv4::rope_tail`` on CUDA (arguments as the op's, already checked): one program a row of
+    x's last dim. Positions of one value per leading index (``[T, 1]`` for a query ``[T, H, D]``,
+    ``[T]`` for a key ``[T, D]``) are read in place; any other broadcast is expanded first."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    d, half = x.shape[-1], inv_freq.shape[0]
+    rows = x.numel() // d if d else 0
+    if rows == 0:
+        return out
+    if 1 <= positions.dim() == x.dim() - 1 and positions.shape[0] == x.shape[0] and math.prod(positions.shape[1:]) == 1:
+        positions = positions.reshape(-1)
+    else:
+        positions = positions.expand(x.shape[:-1]).reshape(-1)
+    nope = d - 2 * half
+    _rope_kernel[(rows,)](x, positions, inv_freq.contiguous(), out, rows // positions.numel(), D=d,
+                          BLOCK_NOPE=triton.next_power_of_2(max(nope, 1)), HALF=half,
+                          BLOCK_HALF=triton.next_power_of_2(half), INVERSE=inverse,
+                          num_warps=max(1, min(4, triton.next_power_of_2(d) // 128)))
     return out
 
 

@@ -97,3 +97,35 @@ def test_store_variant_no_tokens(device):
     kernels.launch_rms_norm_rope_store_kv(cache, positions, x, None, 1e-6, True, positions, inv_freq,
                                           layout.SWA_PAGE_SIZE)
     assert not cache.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("shape, positions_shape", [((5, 512), (5,)), ((4, 3, 512), (4, 1)), ((3, 2, 192), (3, 1)),
+                                                    ((3, 2, 96), (2,)), ((2, 3, 64), (2, 3))])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_kernel_matches_reference(device, dtype, shape, positions_shape, inverse):
+    """``dsv4::rope_tail``'s kernel: RoPE or its inverse on the last 64 dims (all of them for a row
+    of 64), token-major positions read in place, positions broadcast otherwise ([2] over a query's
+    heads, one per row)."""
+    x, _, _, inv_freq = _inputs(device, shape, None)
+    x = x.to(dtype)
+    positions = torch.randint(0, 1 << 20, positions_shape, generator=torch.Generator(device=device).manual_seed(1),
+                              device=device)
+    got = kernels.launch_rope_tail(x, positions, inv_freq, inverse)
+    want = ref.rope_tail(x, positions, inv_freq, inverse)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert torch.equal(got[..., :-64], x[..., :-64])
+    _close(got, want)
+    assert not torch.allclose(got[..., -64:].float(), x[..., -64:].float(), atol=0.1)
+    if inverse:  # the inverse undoes the rotation
+        _close(kernels.launch_rope_tail(got, positions, inv_freq, False), x)
+
+
+def test_rope_kernel_odd_pairs_int32_positions_and_no_rows(device):
+    x, _, positions, _ = _inputs(device, (4, 2, 100), None, seed=2)
+    inv_freq = 10000.0 ** (-torch.arange(0, 24, 2, device=device).float() / 24)  # 12 pairs
+    at_tokens = positions.unsqueeze(1)
+    got = kernels.launch_rope_tail(x, at_tokens, inv_freq, True)
+    _close(got, ref.rope_tail(x, at_tokens, inv_freq, True))
+    assert torch.equal(kernels.launch_rope_tail(x, at_tokens.int(), inv_freq, True), got)
+    assert kernels.launch_rope_tail(x[:0], at_tokens[:0], inv_freq).shape == (0, 2, 100)

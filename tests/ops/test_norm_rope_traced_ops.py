@@ -1,11 +1,16 @@
 """``dsv4::rms_norm`` and ``dsv4::rope_tail``: the reference norm and RoPE as one traced op each,
-which Inductor decomposes back into that math. Eager and compiled results equal the reference
-functions' bit for bit; a Dynamo graph holds one node per call; Inductor's graph none of them."""
+which Inductor decomposes back into that math (but for an inverse RoPE on CUDA, which runs its
+kernel). Eager and compiled results equal the reference functions' bit for bit; a Dynamo graph
+holds one node per call; Inductor's CPU graph none of them."""
 
 import pytest
 import torch
+from torch._inductor.decomposition import select_decomp_table
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from dsv4_compile.export import EXACT_NUMERICS
+from dsv4_compile.ops._library import HAS_TRITON
 from dsv4_compile.fx_passes import DSV4PassManager
 from dsv4_compile.reference import functional
 from tests.support.compile_checks import GraphCapture, fresh_compile_state
@@ -54,6 +59,23 @@ def test_inductor_compiles_the_reference_math():
                                                                 **EXACT_NUMERICS})(*_inputs())
     assert passes.last_ops == []
     assert _equal(got, _with_functions(*_inputs()))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="no CUDA kernel without Triton")
+def test_inverse_rope_on_cuda_stays_one_node():
+    """Inductor's decompositions, traced on fake tensors: on CUDA an inverse ``rope_tail`` stays one
+    node (it runs the op's kernel); on the CPU it becomes the reference's aten ops."""
+    def inverse(x, positions, inv_freq):
+        return ops.rope_tail(x, positions, inv_freq, True)
+
+    targets = {}
+    for device in ("cuda", "cpu"):
+        with FakeTensorMode():
+            x, _, positions, inv_freq = (torch.empty(t.shape, dtype=t.dtype, device=device) for t in _inputs())
+            gm = make_fx(inverse, decomposition_table=select_decomp_table())(x, positions, inv_freq)
+        targets[device] = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets["cuda"] == [ops.rope_tail.default]
+    assert ops.rope_tail.default not in targets["cpu"] and torch.ops.aten.cos.default in targets["cpu"]
 
 
 @pytest.mark.parametrize("case", ["positions", "inv_freq", "weight"])
