@@ -3,12 +3,16 @@ stacks of 3, 12 and 43 layers, with the eager and Inductor backends, cold and wa
 
 Usage:
     python benchmarks/bench_compile_time.py --out compile_time.json                 # CPU, tiny dims
+    python benchmarks/bench_compile_time.py --layers 43 --backends inductor --pass-devices cpu  # CPU, as CUDA
     python benchmarks/bench_compile_time.py --device cuda --preset flash --out compile_time.json
 
 Stacks: 3 layers are bench_step's stack (ratios 0, 4, 128); n layers otherwise are the first n
 ratios of the ``flash`` preset (43: the whole Flash stack), with the dimensions of ``--preset``
 (default ``tiny``: small hidden size and head counts, so CPU memory stays low). The cache holds two
 requests of at most 512 tokens (index top-k 64 to match); the compiled call is a decode step of both.
+The dsv4 passes rewrite the nodes of their default devices (CUDA) unless ``--pass-devices`` names
+others: with ``cpu`` a CPU stack is rewritten as a CUDA one is, so the CPU shows how a change moves
+the compile phases that do not depend on the device (Dynamo, AOTAutograd, the passes, lowering).
 
 Each case runs in a fresh process (nothing of an earlier compile in memory): "cold" with an empty
 ``TORCHINDUCTOR_CACHE_DIR``, then "warm" in a second process on the same directory. Reported per
@@ -35,6 +39,8 @@ import torch
 from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardMode
 from dsv4_compile.compile import compile_step
 from dsv4_compile.engine import Engine
+from dsv4_compile.fx_passes import DSV4PassManager
+from dsv4_compile.fx_passes.pass_manager import default_passes
 
 _TIMERS = {"trace_s": "bytecode_tracing", "backend_s": "OutputGraph.call_user_compiler"}
 # compiled-graph caches whose hits a warm process should show: Inductor's FX graph cache and
@@ -51,6 +57,9 @@ def parse_args(argv=None):
     p.add_argument("--backends", default="eager,inductor")
     p.add_argument("--preset", default="tiny", help="dimensions of the stack")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--pass-devices", default=None,
+                   help="device types the dsv4 passes rewrite (default: theirs, cuda); 'cpu' compiles a CPU "
+                        "stack rewritten as a CUDA one is")
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--case", default=None, help=argparse.SUPPRESS)  # one case, in this process
     return p.parse_args(argv)
@@ -61,7 +70,7 @@ def stack_ratios(layers: int) -> tuple[int, ...]:
     return (0, 4, 128) if layers == 3 else DSV4AttnConfig.from_name("flash").compress_ratios[:layers]
 
 
-def run_case(layers: int, backend: str, preset: str, device: str) -> dict:
+def run_case(layers: int, backend: str, preset: str, device: str, pass_devices: str | None = None) -> dict:
     """Build the stack, compile its step and time the first two calls (this process only)."""
     config = DSV4AttnConfig.from_name(preset).with_(compress_ratios=stack_ratios(layers), index_topk=64)
     cache = DSV4Cache(config, max_requests=2, max_seq_len=512, device=device)
@@ -71,7 +80,9 @@ def run_case(layers: int, backend: str, preset: str, device: str) -> dict:
         engine.allocator.extend(row, 20)
     step = engine.build_step(ForwardMode.DECODE, {r: 1 for r in rows})
     x = torch.randn(len(rows), config.hidden_size, device=device, dtype=torch.bfloat16)
-    step_fn = compile_step(engine.stack, backend=backend)
+    passes = None if backend != "inductor" else DSV4PassManager(
+        default_passes(pass_devices.split(",") if pass_devices else None))
+    step_fn = compile_step(engine.stack, backend=backend, passes=passes)
     times = []
     with torch.no_grad():
         for _ in range(2):
@@ -97,7 +108,8 @@ def run(args) -> list[dict]:
         for backend in args.backends.split(","):
             with tempfile.TemporaryDirectory() as cache_dir:
                 for state in ("cold", "warm"):
-                    case = dict(layers=layers, backend=backend, cache=state, device=args.device, preset=args.preset)
+                    case = dict(layers=layers, backend=backend, cache=state, device=args.device, preset=args.preset,
+                                pass_devices=args.pass_devices)
                     row = {**case, **_child(args, case, cache_dir)}
                     print(json.dumps(row), flush=True)
                     results.append(row)
@@ -118,7 +130,7 @@ def main() -> None:
     args = parse_args()
     if args.case:
         case = json.loads(args.case)
-        print(json.dumps(run_case(case["layers"], case["backend"], args.preset, args.device)))
+        print(json.dumps(run_case(case["layers"], case["backend"], args.preset, args.device, case["pass_devices"])))
         return
     results = run(args)
     if args.out:

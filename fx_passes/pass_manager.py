@@ -16,6 +16,7 @@ given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -29,10 +30,13 @@ from .fuse_sinkhorn import FuseSinkhornPass
 from .fuse_step_metadata import FuseStepMetadataPass
 
 
-def default_passes() -> list[DSV4InductorPass]:
-    """A fresh instance of each default pass, in the order they run."""
-    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseGroupedLinearPass(),
-            FuseNormRopePass(), FuseKeyStorePass()]
+def default_passes(devices: Sequence[str] | None = None) -> list[DSV4InductorPass]:
+    """A fresh instance of each default pass, in the order they run. ``devices``: the device types
+    the per-device passes rewrite (their default, CUDA, when None); ``("cpu",)`` rewrites a CPU
+    graph as a CUDA one is, to test the rewrite or time its compile where there is no GPU."""
+    on = {} if devices is None else {"devices": tuple(devices)}
+    return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(**on), FuseGroupedLinearPass(**on),
+            FuseNormRopePass(**on), FuseKeyStorePass(**on)]
 
 
 class DSV4PassManager(DSV4InductorPass):

@@ -11,7 +11,6 @@ import torch
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, ReplaceShortTopkPass
-from dsv4_compile.fx_passes.base import OnDevicesPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from tests.support.compile_checks import fresh_compile_state
 from tests.support.hf_model import three_layer_prefill
@@ -76,7 +75,7 @@ def test_model_step_replaces_each_learned_routers_topk():
     backend, ids, step = three_layer_prefill()
     want = backend(ids, step, torch.arange(6)).float()
     replace = ReplaceShortTopkPass(("cpu",))
-    passes = [type(p)(("cpu",)) if isinstance(p, OnDevicesPass) else p for p in default_passes()] + [replace]
+    passes = [*default_passes(("cpu",)), replace]
     with fresh_compile_state():
         got = compile_step(backend, passes=DSV4PassManager(passes), options=EXACT_NUMERICS)(
             ids, step, torch.arange(6)).float()
