@@ -65,6 +65,12 @@ class DSV4InductorPass(CustomGraphPass):
         graph.lint()
         self.last_ops = dsv4_ops(graph)  # later Inductor passes keep mutating `graph`
 
+    def pre_grad(self, graph: torch.fx.Graph) -> None:
+        """:meth:`apply_pre_grad`, its matches counted in :attr:`matched_count` as ``__call__``
+        counts :meth:`apply`'s."""
+        self.matched_count += self.apply_pre_grad(graph)
+        graph.lint()
+
     def uuid(self) -> str:
         return hash_source(*self.source_of_rewrite())
 

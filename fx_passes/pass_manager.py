@@ -16,7 +16,7 @@ given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
@@ -52,20 +52,17 @@ class DSV4PassManager(DSV4InductorPass):
         self.passes.append(p)
 
     def apply(self, graph: torch.fx.Graph) -> int:
-        total = 0
-        for p in self.passes:
-            before = p.matched_count
-            p(graph)
-            total += p.matched_count - before
-        return total
+        return self._matches_of(lambda p: p(graph))
 
     def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
-        total = 0
+        return self._matches_of(lambda p: p.pre_grad(graph))
+
+    def _matches_of(self, run: Callable[[DSV4InductorPass], None]) -> int:
+        """Run each pass in order; the matches they add to their counts."""
+        before = sum(p.matched_count for p in self.passes)
         for p in self.passes:
-            matched = p.apply_pre_grad(graph)
-            p.matched_count += matched
-            total += matched
-        return total
+            run(p)
+        return sum(p.matched_count for p in self.passes) - before
 
     def pre_grad_stage(self) -> PreGradStage:
         """The same passes for Inductor's ``pre_grad_custom_pass`` slot."""
@@ -84,8 +81,7 @@ class PreGradStage(CustomGraphPass):
         self.manager = manager
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        self.manager.apply_pre_grad(graph)
-        graph.lint()
+        self.manager.pre_grad(graph)
 
     def uuid(self) -> str:
         return self.manager.uuid()
