@@ -31,7 +31,8 @@ MOE_IN_OP = True
 # instead of inside dsv4::moe_experts; benchmarks compare the two
 HASH_ROUTER_IN_OP = True
 # True: a MoE layer divides its weighted sum by the sum of the routing scores instead of each
-# weight (the same value to a rounding; see _routed_sum); benchmarks compare the two
+# weight, in fp32 (as a compiled step computes transformers' form; eager, transformers rounds each
+# weight to bf16: see _routed_sum); benchmarks compare the two
 NORMALISE_AFTER_SUM = False
 # True: a learned router (sqrt-softplus scores) runs as dsv4::router_topk instead of as transformers'
 # gate (its product, a scoring kernel, aten.topk); benchmarks compare the two
@@ -87,13 +88,16 @@ def runs_moe_experts_op(block: nn.Module, hidden_states: torch.Tensor) -> bool:
     :func:`runs_routed_experts_op` asks, through this implementation; transformers' own hash or
     learned router; a shared expert that is transformers' ``DeepseekV4MLP`` with plain weights of
     the activations' dtype, no bias, the routed experts' SwiGLU limit."""
-    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+    # names imported from the module itself: torch 2.11's Dynamo refuses an import whose result is
+    # transformers' lazy package module (`from ...deepseek_v4 import modeling_deepseek_v4`)
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import (
+        DeepseekV4HashRouter, DeepseekV4MLP, DeepseekV4SparseMoeBlock, DeepseekV4TopKRouter)
 
-    if not MOE_IN_OP or type(block).forward is not hf.DeepseekV4SparseMoeBlock.forward:
+    if not MOE_IN_OP or type(block).forward is not DeepseekV4SparseMoeBlock.forward:
         return False  # (a block of another kind may have neither experts nor a shared expert)
     experts, shared, gate = block.experts, block.shared_experts, block.gate
-    router_class = hf.DeepseekV4HashRouter if block.is_hash else hf.DeepseekV4TopKRouter
-    if (type(shared) is not hf.DeepseekV4MLP or type(gate).forward is not router_class.forward
+    router_class = DeepseekV4HashRouter if block.is_hash else DeepseekV4TopKRouter
+    if (type(shared) is not DeepseekV4MLP or type(gate).forward is not router_class.forward
             or getattr(experts.config, "_experts_implementation", None) != IMPLEMENTATION
             or not runs_routed_experts_op(experts, hidden_states)):
         return False
@@ -156,10 +160,12 @@ def _runs_router_topk_op(gate: nn.Module, dtype: torch.dtype) -> bool:
 def _routed_sum(slots: torch.Tensor, scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
     """``slots [T * K, H]``, ``scores [T, K]`` of the chosen experts -> ``[T, H]`` in ``dtype``:
     ``sum_k slot_k * w_k`` with transformers' routing weights ``w = scores / (sum(scores) + 1e-20) *
-    scale``. :data:`NORMALISE_AFTER_SUM`: the same as ``(sum_k slot_k * score_k) / (sum(scores) +
+    scale``. :data:`NORMALISE_AFTER_SUM`: the same sum as ``(sum_k slot_k * score_k) / (sum(scores) +
     1e-20) * scale``, every term a reduction over K at each output element, so that Inductor can
     compute the weights inside the sum's kernel instead of in one of their own; in fp32, rounded
-    once (a compiled step's fused kernel computes transformers' form in fp32 too)."""
+    once. A compiled step's fused kernel computes transformers' form in fp32 too; eager, transformers
+    rounds each weight to bf16, which moves a term by up to 2**-8 of itself (where a token's slots
+    cancel, far more than a rounding of their sum)."""
     if not NORMALISE_AFTER_SUM:
         return _weighted_sum(slots, scores / (scores.sum(dim=-1, keepdim=True) + 1e-20) * scale, dtype)
     tokens, topk = scores.shape
