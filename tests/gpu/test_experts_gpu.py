@@ -158,6 +158,9 @@ def test_router_topk_op_equals_the_reference(tokens, num_experts, k):
 @pytest.mark.parametrize("normalise_after_sum", [False, True])
 @torch.no_grad()
 def test_moe_forward_equals_the_block(layer_idx, tokens, normalise_after_sum, monkeypatch):
+    """With ``NORMALISE_AFTER_SUM`` the routing weights stay fp32, where the block rounds each to
+    bf16 (2**-8 of a slot's term at most): where a token's slots cancel, an output element can be
+    far from the block's relative to itself, so only the bound at the output's scale holds."""
     monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
     block = _moe_block(layer_idx)
     x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
@@ -165,7 +168,11 @@ def test_moe_forward_equals_the_block(layer_idx, tokens, normalise_after_sum, mo
     assert hf_experts.runs_moe_experts_op(block, x)
     got = hf_experts.moe_forward(block, x, input_ids)
     assert got.shape == x.shape and got.dtype == x.dtype
-    assert_bf16_close(got, block(x, input_ids=input_ids))
+    want = block(x, input_ids=input_ids).float()
+    if normalise_after_sum:
+        torch.testing.assert_close(got.float(), want, atol=2 ** -7 * want.abs().max().item(), rtol=0)
+    else:
+        assert_bf16_close(got, want)
 
 
 @pytest.mark.parametrize("tokens", [8, 16, 40])  # the router's kernels, then cuBLAS + topk_indices
