@@ -9,7 +9,14 @@ import torch
 import dsv4_compile  # noqa: F401  (registers the dsv4:: ops)
 
 
+# Modules whose first test waits minutes on a module fixture (an AOTInductor package build, the
+# kernel tests under the Triton interpreter), run first: with README's `-n 2 --dist loadfile` each
+# worker then starts on one of them while the other modules share out around them.
+SLOW_MODULES = ("tests/model/test_deploy.py", "tests/test_triton_interpreter.py")
+
+
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0] not in SLOW_MODULES)  # stable: else as collected
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")
