@@ -199,7 +199,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", action="store_true",
                    help="compiled decode: host µs per step (GPU kept busy) and µs per step read back on the host")
     p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
-    p.add_argument("--out", help="write the results as JSON")
+    p.add_argument("--out", help="write the results as JSON; rewritten after each way, \"finished\" false until "
+                                 "the run ends")
     p.add_argument("--plot", help="write a PNG of the results")
     p.add_argument("--replot", help="plot a saved JSON (with --plot) instead of running")
     p.add_argument("--compile-probe", action="store_true", help=argparse.SUPPRESS)
@@ -525,7 +526,14 @@ def run(args) -> dict:
     # (docs/perf-log.md), so a comparison is run in both orders
     for way in (w for w in args.ways if w != "hf_eager"):
         measure_way(backend, way, args, results)
+        if args.out:  # the ways measured so far, kept should a later way not finish
+            write_json(args.out, {**summarize(results, model.config, args), "finished": False})
     return summarize(results, model.config, args)
+
+
+def write_json(path: str, res: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(res, f, indent=1)
 
 
 def _step_graphs(backend, **kwargs):
@@ -667,13 +675,12 @@ def main() -> None:
         return
     start = time.perf_counter()
     res = {**header(args.device, args), "compile": compile_times(args)} if args.compile_time_only else run(args)
-    res["run_s"] = time.perf_counter() - start
+    res["run_s"], res["finished"] = time.perf_counter() - start, True
     if not args.compile_time_only:
         print_tables(res)
     print(f"whole run: {res['run_s']:.0f} s")
     if args.out:
-        with open(args.out, "w") as f:
-            json.dump(res, f, indent=1)
+        write_json(args.out, res)
     if args.plot and not args.compile_time_only:
         plot(res, args.plot)
 
