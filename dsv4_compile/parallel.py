@@ -73,7 +73,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh) -> None:
     ``DistributedConfig(tp_size=mesh.size(), tp_plan=ATTENTION_TP_PLAN)`` loads it (nothing to do for
     a model loaded so), then give each grouped ``o_a_proj`` its rank's group count."""
     if _loaded_mesh(model) is None:
-        from transformers.distributed import DistributedConfig
+        from transformers.distributed.configuration_utils import DistributedConfig
         from transformers.distributed.tensor_parallel import apply_tensor_parallelism
 
         # the plans the loader would apply: the model's own rules, ours merged in, wildcards expanded
