@@ -1,4 +1,5 @@
-"""Shared pytest setup: the ``gpu`` marker skips without CUDA; each test starts from fixed seeds.
+"""Shared pytest setup: the ``gpu`` marker skips without CUDA; the slowest modules run first; each
+test starts from fixed seeds.
 
 Test-only plumbing lives in the ``tests/support`` package, imported as ``tests.support.<module>``
 (pytest's importlib mode resolves ``tests`` from the root directory; no ``sys.path`` edits)."""
