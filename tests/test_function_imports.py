@@ -17,17 +17,18 @@ SOURCES = sorted(p for folder in ("dsv4_compile", "ops", "fx_passes") for p in (
 
 
 def _function_imports(path: Path) -> list[tuple[int, str]]:
-    """``(line, module)`` of each absolute ``import`` / ``from ... import`` inside a function of ``path``."""
-    found = []
+    """``(line, module)`` of each absolute ``import`` / ``from ... import`` inside a function of
+    ``path``, once (a nested function's imports are inside its outer function's too)."""
+    found = set()
     for fn in ast.walk(ast.parse(path.read_text())):
         if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
             continue
         for node in ast.walk(fn):
             if isinstance(node, ast.ImportFrom) and node.level == 0:
-                found.append((node.lineno, node.module))
+                found.add((node.lineno, node.module))
             elif isinstance(node, ast.Import):
-                found.extend((node.lineno, alias.name) for alias in node.names)
-    return found
+                found.update((node.lineno, alias.name) for alias in node.names)
+    return sorted(found)
 
 
 @pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
