@@ -303,7 +303,7 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
             # partials' sum (one of its slices), this kernel took 19 µs a call.
             tl.debug_barrier()
             if REGISTER_SINKHORN:
-                _sinkhorn4_in_place(comb_ptr + t * 16, iters, hc_eps)
+                _sinkhorn4_in_place(comb_ptr + t * (N * N), iters, hc_eps)
             else:
                 row, col = n[None, :, None], n[None, None, :]
                 tile_ok = (row < N) & (col < N)
