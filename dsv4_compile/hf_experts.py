@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .ops._library import HAS_TRITON
+from .plain_tensor import is_plain_tensor
 
 IMPLEMENTATION = "dsv4"
 # False: moe_forward always calls the block (its router's product and the shared expert's three
@@ -108,7 +109,7 @@ def runs_moe_experts_op(block: nn.Module, hidden_states: torch.Tensor) -> bool:
 
 def _plain(weight: torch.Tensor, dtype: torch.dtype) -> bool:
     """A weight the ops read as it is: a plain tensor (not a DTensor shard or a quantiser's) of ``dtype``."""
-    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype == dtype
+    return is_plain_tensor(weight) and weight.dtype == dtype
 
 
 def moe_forward(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
@@ -154,7 +155,7 @@ def _runs_router_topk_op(gate: nn.Module, dtype: torch.dtype) -> bool:
 
     bias = gate.e_score_correction_bias
     return (LEARNED_ROUTER_OP and type(gate.score_fn) is SqrtSoftplusActivation and _plain(gate.weight, dtype)
-            and type(bias) in (torch.Tensor, nn.Parameter) and bias.is_floating_point())
+            and is_plain_tensor(bias) and bias.is_floating_point())
 
 
 def _routed_sum(slots: torch.Tensor, scores: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .plain_tensor import is_plain_tensor
+
 
 # Whether the ops apply the norm after a collapse (else the norm module runs on the op's output).
 # On the H200 (bench_model.py, b = 1) the fold takes 13 of the step's 134 kernels away
@@ -28,7 +30,7 @@ NORM_IN_OP = True
 
 
 def _plain(*params: torch.Tensor) -> bool:
-    return all(type(p) in (torch.Tensor, nn.Parameter) for p in params)
+    return all(is_plain_tensor(p) for p in params)
 
 
 def _runs_as_op(hc: nn.Module) -> bool:
