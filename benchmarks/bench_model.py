@@ -32,8 +32,6 @@ orders or in separate processes):
                    the default ``--ways``
     compiled_lone_linears_cublas  compiled with ``FuseSharedInputLinearsPass(lone_min_k=None)``
                    (``o_b_proj`` and the ``lm_head`` through cuBLAS); not in the default ``--ways``
-    compiled_unfused_grouped_linear  compiled without ``FuseGroupedLinearPass`` (``o_a_proj`` through
-                   cuBLAS's batched GEMV); not in the default ``--ways``
     compiled_unfused_norm_rope  compiled without ``FuseNormRopePass`` (each query / key norm +
                    RoPE as Inductor compiles it); not in the default ``--ways``
     compiled_unfused_key_store  compiled without ``FuseKeyStorePass`` (each key's norm + RoPE and its
@@ -121,8 +119,8 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
-                                    FuseSharedInputLinearsPass, ReplaceShortTopkPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
+                                    ReplaceShortTopkPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -149,7 +147,6 @@ def _lone_linears(min_k: int | None) -> Callable[[], list]:
 # compiled with the default passes less one, or one of them configured otherwise
 PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass),
                  "compiled_lone_linears_cublas": _lone_linears(None),
-                 "compiled_unfused_grouped_linear": _without(FuseGroupedLinearPass),
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",

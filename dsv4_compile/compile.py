@@ -38,9 +38,8 @@ from .step import ForwardMode, StepInputs
 from .step_graphs import StepGraphs
 
 GRAPH_MODE = ForwardMode.EXTEND
-# idle or not x token rows in {1, >= 2} (a view of the attention output that one row makes
-# contiguous is guarded on); a step with no rows is not compiled
-MAX_FRAMES = 4
+# idle or not (its empty request tensors alias one another); a step with no rows is not compiled
+MAX_FRAMES = 2
 # Symbolic-shape settings a compiled step's frames are traced with: a size of 1 is not specialised
 # (it is reasoned about as any size >= 2 would be) and two inputs of equal size get sizes of their
 # own, so one frame serves one request and many, one row and many. What still tells 1 apart is a

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .config import HEAD_DIM, INDEX_HEAD_DIM, DSV4AttnConfig
+from .plain_tensor import is_plain_tensor
 from .rope import layer_inv_freq
 
 ops = torch.ops.dsv4
@@ -96,5 +97,21 @@ class HFAttention(nn.Module):
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""
         o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
-        grouped = self.attn.o_a_proj(o.reshape(o.shape[0], self.config.o_groups, -1))
+        g = self.config.o_groups
+        grouped = self._grouped_projection(o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g))
         return self.attn.o_b_proj(grouped.flatten(1))
+
+    def _grouped_projection(self, o: torch.Tensor) -> torch.Tensor:
+        """``o_a_proj`` of ``o [T, G, K]`` -> ``[T, G, N]``: transformers' ``DeepseekV4GroupedLinear``
+        with a plain weight of ``o``'s dtype and no bias as ``dsv4::grouped_linear`` on that weight,
+        any other module (a quantiser's, a tensor-parallel shard) called as it is. The module's
+        ``bmm`` output is transposed, and reshaping it asks whether T = 1 (a view then, a copy
+        otherwise): traced, that adds a guard which gives one row a frame of its own, with shapes
+        that are static after that point and symbolic before it (docs/compile.md)."""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
+
+        proj = self.attn.o_a_proj
+        if (type(proj).forward is not DeepseekV4GroupedLinear.forward or proj.bias is not None
+                or not is_plain_tensor(proj.weight) or proj.weight.dtype != o.dtype or proj.n_groups != o.shape[1]):
+            return proj(o)
+        return ops.grouped_linear(o, proj.weight)

@@ -8,10 +8,12 @@ state) by one call. On CUDA a call with at most 16 rows is one Triton launch
 product as ``torch.mm``.
 
 ``dsv4::grouped_linear`` is a block-diagonal (grouped) linear map, the attention's ``o_a_proj``
-(``transformers``' ``DeepseekV4GroupedLinear``: a ``bmm`` over groups). ``FuseGroupedLinearPass``
-(``fx_passes/fuse_grouped_linear.py``) puts it in place of that ``bmm``; on CUDA up to 16 rows it
-is one Triton launch over every group's column tiles, where cuBLAS runs a split-K GEMV and a
-reduction kernel.
+(``transformers``' ``DeepseekV4GroupedLinear``: a ``bmm`` over groups). The attention layers call
+it directly (its output is contiguous, where the module's is a transposed ``bmm`` whose reshape
+depends on whether there is one row); ``FuseGroupedLinearPass`` (``fx_passes/fuse_grouped_linear.py``)
+puts it in place of the module's ``bmm`` where the module is called as it is. On CUDA up to 16
+rows it is one Triton launch over every group's column tiles, where cuBLAS runs a split-K GEMV and
+a reduction kernel.
 
 Shape legend: M rows, K input features (per group for ``grouped_linear``), N_g output features of
 weight g, G groups of N outputs each.
@@ -27,7 +29,9 @@ from ._library import HAS_TRITON, dsv4_op
 if HAS_TRITON:
     from .kernels import linear as kernels
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16)  # what the kernels compute
+# grouped_linear takes fp32 too (a stack of fp32 weights calls it): the reference's bmm on every device
+GROUPED_DTYPES = (*DTYPES, torch.float32)
 
 
 def _check_linears(x, weights) -> None:
@@ -58,7 +62,7 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _check_grouped_linear(x, w) -> None:
-    check_tensor("grouped_linear", "x", x, dtypes=DTYPES, ndim=3)
+    check_tensor("grouped_linear", "x", x, dtypes=GROUPED_DTYPES, ndim=3)
     check_tensor("grouped_linear", "w", w, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[2]))
     if w.shape[0] % x.shape[1]:
         raise ValueError(f"dsv4.grouped_linear: w has {w.shape[0]} rows, not a multiple of the "
@@ -71,7 +75,7 @@ def _grouped_linear_fake(x, w):
 
 
 def _grouped_linear_cuda(x, w):
-    if x.shape[0] > kernels.MAX_ROWS:
+    if x.shape[0] > kernels.MAX_ROWS or x.dtype not in DTYPES:
         return grouped_linear_reference(x, w)
     return kernels.launch_grouped_linear(x, w)
 
@@ -86,6 +90,6 @@ def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @dsv4_op("grouped_linear", check=_check_grouped_linear, fake=_grouped_linear_fake,
          cuda=_grouped_linear_cuda if HAS_TRITON else None)
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T``: ``x [M, G, K]`` bf16 / fp16, ``w [G N, K]``
-    of x's dtype -> ``[M, G, N]`` contiguous, x's dtype."""
+    """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T``: ``x [M, G, K]`` bf16 / fp16 / fp32, ``w [G N, K]``
+    of x's dtype -> ``[M, G, N]`` contiguous, x's dtype (fp32: the reference's ``bmm`` on CUDA too)."""
     return grouped_linear_reference(x, w)

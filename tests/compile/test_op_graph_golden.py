@@ -40,6 +40,7 @@ dsv4.compress_kv
 dsv4.store_kv
 dsv4.sparse_attn
 dsv4.rope_tail
+dsv4.grouped_linear
 dsv4.rms_norm
 dsv4.rms_norm
 dsv4.rope_tail
@@ -49,7 +50,8 @@ dsv4.store_kv
 dsv4.compress_kv
 dsv4.store_kv
 dsv4.sparse_attn
-dsv4.rope_tail""")
+dsv4.rope_tail
+dsv4.grouped_linear""")
 
 
 if __name__ == "__main__":

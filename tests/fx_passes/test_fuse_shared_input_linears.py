@@ -100,9 +100,9 @@ def test_model_step_fuses_each_layers_projections():
     in each layer the products of the normed hidden state (q_a, kv; on the CSA layer also the
     compressor's, the indexer's compressor and weights) and those of the post-attention norm (the
     router, the shared expert's gate and up) fuse, and on the CSA layer the two of the query latent
-    (q_b and the indexer's q_b): 5 nodes; with them FuseGroupedLinearPass makes each layer's
-    o_a_proj one grouped_linear (2 nodes). With Inductor rounding where eager rounds the logits are
-    the eager backend's, bit for bit."""
+    (q_b and the indexer's q_b): 5 nodes. Each layer calls its o_a_proj as one grouped_linear
+    itself (2 nodes), so FuseGroupedLinearPass finds no bmm to rewrite. With Inductor rounding where
+    eager rounds the logits are the eager backend's, bit for bit."""
     config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
     backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
     fuse, grouped = FuseSharedInputLinearsPass(("cpu",)), FuseGroupedLinearPass(("cpu",))
@@ -114,5 +114,5 @@ def test_model_step_fuses_each_layers_projections():
         passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse, grouped])
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
     assert fuse.matched_count == grouped.last_ops.count(FUSED) == 5
-    assert grouped.matched_count == grouped.last_ops.count("dsv4.grouped_linear.default") == 2
+    assert grouped.matched_count == 0 and grouped.last_ops.count("dsv4.grouped_linear.default") == 2
     assert torch.equal(got, want)

@@ -55,10 +55,12 @@ dsv4.compress_kv.default (in place)
 dsv4.store_kv.default (in place)
 dsv4.indexer_topk.default
 dsv4.sparse_attn.default
+dsv4.grouped_linear.default
 dsv4.store_kv.default (in place)
 dsv4.compress_kv.default (in place)
 dsv4.store_kv.default (in place)
-dsv4.sparse_attn.default""")
+dsv4.sparse_attn.default
+dsv4.grouped_linear.default""")
 
     def test_swa_only_stack_is_left_alone(self):
         """Without compressed layers the page table is dead code (eliminated before the pass), so

@@ -47,7 +47,7 @@ def test_grouped_linear_equals_the_grouped_module(rows):
 def test_grouped_linear_bad_arguments_name_themselves():
     x, w = torch.randn(3, 2, 16).bfloat16(), torch.randn(8, 16).bfloat16()
     cases = [
-        ((x.float(), w.float()), TypeError, "x must have dtype"),
+        ((x.double(), w.double()), TypeError, "x must have dtype"),
         ((x[0], w), ValueError, "x must be 3-D"),
         ((x, w.half()), TypeError, "w must have dtype"),
         ((x, w[:, :8]), ValueError, "w has shape"),
