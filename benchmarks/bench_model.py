@@ -43,6 +43,9 @@ orders or in separate processes):
                    ``--ways``
     compiled_step_graphs_pdl  the same with Inductor's kernels under programmatic dependent launch
                    (``triton.enable_pdl``); not in the default ``--ways``
+    compiled_step_graphs_combo  the same with Inductor's combo kernels (``combo_kernels``: independent
+                   kernels of the step, such as the hash layers' expert look-ups, share a launch);
+                   not in the default ``--ways``
     compiled_step_graphs_hc_post_apart  whole-step graphs with every ``dsv4::hc_post_pre`` run as
                    ``hc_post`` then ``hc_pre`` (3 launches, as above four tokens), for a side-by-side
                    with ``compiled_step_graphs`` at one to four tokens; not in the default ``--ways``
@@ -150,7 +153,8 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
-        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_hc_post_apart",
+        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_combo",
+        "compiled_step_graphs_hc_post_apart",
         "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
@@ -549,6 +553,7 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_lean": (None, lambda b: compile_step(b, mode="reduce-overhead", model_guards=False)),
     "compiled_step_graphs": (None, _step_graphs),
     "compiled_step_graphs_pdl": (None, lambda b: _step_graphs(b, options={"triton.enable_pdl": True})),
+    "compiled_step_graphs_combo": (None, lambda b: _step_graphs(b, options={"combo_kernels": True})),
     # each step's graph captures hc_post, then hc_pre
     "compiled_step_graphs_hc_post_apart": (lambda: posted_max_tokens(0), _step_graphs),
     "compiled_step_graphs_all_lone_linears": (None, _with_passes(_lone_linears(1), cuda_graphs="step")),
