@@ -411,8 +411,9 @@ def make_backend(model, args, batches: list[int]) -> ModelBackend:
 # -- compile time ----------------------------------------------------------------------------------
 
 def compile_probe(args) -> dict[str, float]:
-    """First-call wall seconds of each frame of a fresh ``compile_step`` (run in its own process):
-    prefill b = 1, decode b = 1, decode b = 2."""
+    """First-call wall seconds of a fresh ``compile_step``'s first calls (run in its own process):
+    prefill b = 1 (which compiles the step's frame), decode b = 1 and decode b = 2 (the same frame:
+    request and row counts are dynamic; with CUDA-graph trees each records its graph)."""
     device = torch.device(args.device)
     model = random_hf_model(model_config(args), seed=args.seed, device=device)
     backend = make_backend(model, args, [2])
