@@ -174,7 +174,8 @@ class CompiledStep:
         return self._run_compiled(x, step, extra)
 
     def _run_compiled(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> torch.Tensor:
-        """The compiled function, handed its inputs as non-views and ``step`` in :func:`_graph_step`'s form."""
+        """The compiled function, handed its inputs as contiguous non-views and ``step`` in
+        :func:`_graph_step`'s form."""
         _install_frame_callbacks()
         _STEP_CALLS.depth += 1
         try:
@@ -245,7 +246,11 @@ def _graph_step(step: StepInputs) -> StepInputs:
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor:
-    """``t``, or when it is a view, the same memory as a tensor that is not a view."""
+    """``t`` as a contiguous tensor that is not a view: a view's memory re-wrapped, a strided
+    tensor (a decode loop's ``tokens[:, -1]``) copied. Dynamo guards on both, so either would
+    compile a frame of its own."""
+    if not t.is_contiguous():
+        return t.contiguous()
     return t if t._base is None else t.detach()
 
 

@@ -181,3 +181,29 @@ def test_model_step_without_model_guards_equals_the_eager_backend():
             lines[model_guards] = _guard_lines(step_fn)
     assert len(lines[False]) == len(lines[True]) == 1
     assert all(5 * n < m for n, m in zip(lines[False], lines[True])), lines
+
+
+@torch.no_grad()
+def test_strided_inputs_compile_no_frame_of_their_own():
+    """A model step handed its token ids as a column of a token matrix (stride > 1, as a decode
+    loop's ``tokens[:, -1]``) after a call with contiguous ids: the same frame, the eager values."""
+    backend = enable(tiny_hf_model(), max_requests=2, max_seq_len=256)
+    rows = [backend.allocator.admit(), backend.allocator.admit()]
+    prompt = StepInputs.make(M.EXTEND, rows, [8, 8], [8, 8], torch.cat([backend.allocator.extend(r, 8) for r in rows]))
+    backend(torch.arange(16) + 3, prompt, torch.tensor([7, 15]))
+    tokens = torch.tensor([[11, 12, 13], [21, 22, 23]])
+    decode = [StepInputs.make(M.DECODE, rows, [9 + i, 9 + i], [1, 1], torch.cat([backend.allocator.extend(r, 1)
+                                                                             for r in rows])) for i in range(2)]
+    saved = [t.clone() for t in backend.cache.buffers()]
+    logit_rows = torch.arange(2)
+    want = [backend(tokens[:, i].contiguous(), step, logit_rows) for i, step in enumerate(decode)]
+    for t, s in zip(backend.cache.buffers(), saved):
+        t.copy_(s)
+    capture = GraphCapture("eager")
+    with fresh_compile_state():
+        step_fn = compile_step(backend, backend=capture)
+        got = [step_fn(tokens[:, i].contiguous() if i == 0 else tokens[:, i], step, logit_rows)
+               for i, step in enumerate(decode)]
+    assert not tokens[:, 1].is_contiguous() and capture.frame_count == 1
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=0, rtol=0)
