@@ -497,6 +497,21 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
             for k in profiled["top"][:25]:
                 print(f"    {k['critical_us_per_step']:8.1f} {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  "
                       f"{k['name'][:90]}", flush=True)
+            first_way, first = next(iter((w, p[b]) for w, p in results["profile"].items() if b in p))
+            if first_way != way:
+                for line in kernel_changes(first["top"], profiled["top"]):
+                    print(f"    against {first_way}: {line}", flush=True)
+
+
+def kernel_changes(before: list[dict], after: list[dict]) -> list[str]:
+    """The kernels whose launches a step changed between two profiles' ``top`` lists (every
+    kernel, as ``profile_steps(..., top=None)`` gives them): ``"+1.0 name"`` per kernel name, by
+    calls per step, so that a way's switch shows which launches it took away or added."""
+    calls = {}
+    for sign, top in ((-1, before), (1, after)):
+        for k in top:
+            calls[k["name"]] = calls.get(k["name"], 0.0) + sign * k["calls_per_step"]
+    return [f"{n:+.1f} {name[:90]}" for name, n in sorted(calls.items(), key=lambda kv: kv[1]) if abs(n) > 0.05]
 
 
 def _unless_oom(fn: Callable[[], float]) -> float | None:
@@ -632,7 +647,7 @@ def print_tables(res: dict) -> None:
     for r in res["prefill"]:
         print(f"{r['batch']:>9} | " + " | ".join(_cell(r.get(f"{w}_ms"), r.get(f"{w}_tok_s")) for w in ways))
     if res["compile"]:
-        print("compile s (first call per frame): cold " + json.dumps(res["compile"]["cold"])
+        print("compile s (first calls): cold " + json.dumps(res["compile"]["cold"])
               + ", warm " + json.dumps(res["compile"]["warm"]))
 
 
