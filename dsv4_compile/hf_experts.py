@@ -124,8 +124,8 @@ def moe_forward(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.
 def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
     """``DeepseekV4SparseMoeBlock.forward`` composed around one ``dsv4::moe_experts`` (the routed
     experts, the shared expert and a hash-routed layer's router logits). The experts are chosen by
-    a hash layer's table (its router's product then runs inside the op where its weight is plain,
-    of the activations' dtype; else the gate runs whole), or by a learned router before the op
+    a hash layer's table (looked up inside the op, which also runs its router's product, where its
+    weight is plain, of the activations' dtype; else the gate runs whole), or by a learned router before the op
     (its choice needs its logits): ``dsv4::router_topk`` where :func:`_runs_router_topk_op` says
     so, else the gate. Both kinds score the chosen experts as transformers' routers do,
     ``score_fn(logits)`` at the chosen columns (a learned gate's own weights go unused); then
@@ -133,15 +133,18 @@ def moe_block_composed(block: nn.Module, hidden_states: torch.Tensor, input_ids:
     gate, experts, shared = block.gate, block.experts, block.shared_experts
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     router_in_op = block.is_hash and HASH_ROUTER_IN_OP and _plain(gate.weight, hidden_states.dtype)
-    if router_in_op:
-        indices = gate.tid2eid[input_ids.reshape(-1)].long()
+    token_ids = input_ids.reshape(-1)
+    if router_in_op:  # the op looks the table up itself; the lookup below fuses into the scores' kernel
+        choice = gate.tid2eid
     elif not block.is_hash and _runs_router_topk_op(gate, hidden_states.dtype):
-        indices, logits = torch.ops.dsv4.router_topk(flat, gate.weight, gate.e_score_correction_bias, gate.top_k)
+        choice, logits = torch.ops.dsv4.router_topk(flat, gate.weight, gate.e_score_correction_bias, gate.top_k)
     else:
-        logits, _, indices = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
+        logits, _, choice = gate(hidden_states, input_ids) if block.is_hash else gate(hidden_states)
     slots, shared_out, op_logits = torch.ops.dsv4.moe_experts(
-        flat, indices, experts.gate_up_proj, experts.down_proj, float(experts.limit), shared.gate_proj.weight,
-        shared.up_proj.weight, shared.down_proj.weight, gate.weight if router_in_op else None)
+        flat, choice, experts.gate_up_proj, experts.down_proj, float(experts.limit), shared.gate_proj.weight,
+        shared.up_proj.weight, shared.down_proj.weight, gate.weight if router_in_op else None,
+        token_ids if router_in_op else None)
+    indices = gate.tid2eid[token_ids].long() if router_in_op else choice
     scores = gate.score_fn(op_logits if router_in_op else logits).gather(1, indices)
     routed = _routed_sum(slots, scores, gate.routed_scaling_factor, hidden_states.dtype)
     return routed.view(hidden_states.shape) + shared_out.view(hidden_states.shape)

@@ -38,9 +38,11 @@ if HAS_TRITON:
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def _check_routed_experts(x, expert_ids, gate_up, down, limit, op: str = "routed_experts") -> None:
+def _check_routed_experts(x, expert_ids, gate_up, down, limit, op: str = "routed_experts",
+                          table: bool = False) -> None:
     check_tensor(op, "x", x, dtypes=ACTIVATION_DTYPES, ndim=2)
-    check_tensor(op, "expert_ids", expert_ids, dtypes=INDEX_DTYPES, ndim=2, shape=(x.shape[0], None))
+    check_tensor(op, "expert_ids", expert_ids, dtypes=INDEX_DTYPES, ndim=2,
+                 shape=(None, None) if table else (x.shape[0], None))
     check_tensor(op, "gate_up", gate_up, dtypes=(x.dtype,), ndim=3)
     num_experts, two_i, hidden = gate_up.shape
     check_positive(op, "gate_up's expert count", num_experts)
@@ -90,9 +92,14 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     return ref.routed_experts(x, expert_ids, gate_up, down, limit)
 
 
-def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router) -> None:
+def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router,
+                       token_ids=None) -> None:
     op = "moe_experts"
-    _check_routed_experts(x, expert_ids, gate_up, down, limit, op)
+    _check_routed_experts(x, expert_ids, gate_up, down, limit, op, table=token_ids is not None)
+    if token_ids is not None:
+        check_positive(op, "expert_ids' table rows", expert_ids.shape[0])
+        check_tensor(op, "token_ids", token_ids, dtypes=INDEX_DTYPES, shape=(x.shape[0],))
+        check_devices(op, x=x, token_ids=token_ids)
     check_tensor(op, "shared_gate", shared_gate, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[1]))
     check_tensor(op, "shared_up", shared_up, dtypes=(x.dtype,), shape=tuple(shared_gate.shape))
     check_tensor(op, "shared_down", shared_down, dtypes=(x.dtype,), shape=(x.shape[1], shared_gate.shape[0]))
@@ -103,15 +110,19 @@ def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_
         check_devices(op, x=x, router=router)
 
 
-def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router):
+def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router,
+                      token_ids=None):
     logits = x.new_empty(x.shape[0], router.shape[0] if router is not None else 0)
-    return _routed_experts_fake(x, expert_ids, gate_up, down, limit), x.new_empty(x.shape), logits
+    return x.new_empty(x.shape[0] * expert_ids.shape[1], x.shape[1]), x.new_empty(x.shape), logits
 
 
-def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router):
-    if expert_ids.numel() <= kernels.MAX_SLOTS:
+def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router,
+                      token_ids=None):
+    if x.shape[0] * expert_ids.shape[1] <= kernels.MAX_SLOTS:
         return kernels.launch_moe_experts(x, expert_ids, gate_up, down, limit, (shared_gate, shared_up, shared_down),
-                                          router)
+                                          router, token_ids=token_ids)
+    if token_ids is not None:
+        expert_ids = ref.hash_expert_ids(expert_ids, token_ids)
     # a GEMM's worth of tokens: the grouped routed experts and cuBLAS's products, as transformers runs them
     hidden = ref.gated_silu(F.linear(x, shared_gate), F.linear(x, shared_up), limit)
     logits = F.linear(x, router) if router is not None else x.new_empty(x.shape[0], 0)
@@ -122,12 +133,17 @@ def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_u
          cuda=_moe_experts_cuda if HAS_TRITON else None)
 def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float,
                 shared_gate: torch.Tensor, shared_up: torch.Tensor, shared_down: torch.Tensor,
-                router: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                router: torch.Tensor | None, token_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``routed_experts(x, expert_ids, gate_up, down, limit)``, the shared expert of every token
     (``shared_gate`` / ``shared_up [IS, H]``, ``shared_down [H, IS]``) and the router's logits
     ``x @ router.T`` (``router [E_r, H]``, or None) -> ``(slots [T * K, H], shared [T, H], logits
     [T, E_r] or [T, 0])``, ``x``'s dtype, each as the three computed apart (the logits as
-    ``F.linear`` rounds them)."""
+    ``F.linear`` rounds them). With ``token_ids [T]``, ``expert_ids`` is a hash-routed layer's table
+    ``[V, K]`` and token ``t`` takes row ``token_ids[t]`` of it (``reference.experts.hash_expert_ids``;
+    the kernels look it up themselves, so the step has no launch for it)."""
+    if token_ids is not None:
+        expert_ids = ref.hash_expert_ids(expert_ids, token_ids)
     logits = ref.router_logits(x, router) if router is not None else x.new_empty(x.shape[0], 0)
     return (ref.routed_experts(x, expert_ids, gate_up, down, limit),
             ref.shared_expert(x, shared_gate, shared_up, shared_down, limit), logits)

@@ -63,6 +63,14 @@ def routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Ten
     return out
 
 
+def hash_expert_ids(table: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """A hash-routed layer's choice (transformers' ``DeepseekV4HashRouter``: ``tid2eid[input_ids]``):
+    ``table [V, K]``, ``token_ids [T]`` -> ``[T, K]`` of the table's dtype; a token id outside
+    ``[0, V)`` chooses no expert (-1 in each of its K columns) instead of reading past the table."""
+    valid = (token_ids >= 0) & (token_ids < table.shape[0])
+    return torch.where(valid[:, None], table[token_ids.clamp(0, table.shape[0] - 1)], -1)
+
+
 def shared_expert(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor,
                   limit: float) -> torch.Tensor:
     """transformers' ``DeepseekV4MLP`` (the shared expert every token passes through):

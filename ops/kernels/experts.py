@@ -50,13 +50,20 @@ MAX_SLOTS = 64
 
 
 @triton.jit
-def _slot_rows(ids_ptr, S, E, S_PAD: tl.constexpr):
+def _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD: tl.constexpr, HASH: tl.constexpr):
     """``(slots [S_PAD], ids [S_PAD], e, served, hit [S_PAD])``: the slots and their ids (padding
     id -1); the expert ``e`` of program ``program_id(0) = i``, the ``i``-th distinct id in
     ``[0, E)`` in slot order (``served`` False and ``e`` 0 past the last, so that pointers built
-    from ``e`` stay inside the weights); which slots it serves (none when not ``served``)."""
+    from ``e`` stay inside the weights); which slots it serves (none when not ``served``).
+    ``HASH``: ``ids_ptr`` is a hash table ``[V, TOPK]`` and slot ``s`` takes column ``s % TOPK`` of
+    row ``tok[s // TOPK]`` (id -1 for a token id outside ``[0, V)``, whose row is not read)."""
     slots = tl.arange(0, S_PAD)
-    ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
+    if HASH:
+        tok = tl.load(tok_ptr + slots // TOPK, mask=slots < S, other=-1).to(tl.int64)
+        listed = (slots < S) & (tok >= 0) & (tok < V)
+        ids = tl.load(ids_ptr + tok * TOPK + slots % TOPK, mask=listed, other=-1)
+    else:
+        ids = tl.load(ids_ptr + slots, mask=slots < S, other=-1)
     owned = (ids >= 0) & (ids < E)
     # a slot is its id's first when no earlier slot holds the same id
     earlier_same = (ids[:, None] == ids[None, :]) & (slots[None, :] < slots[:, None])
@@ -98,10 +105,10 @@ def _products(a_rows, a_ok, w1_rows, w2_rows, w1_ok, w2_ok, K, S_PAD: tl.constex
 
 
 @triton.jit
-def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router_ptr, logits_ptr, T, S, E, TOPK,
-                    H, I, IS, E_R, limit, stride_x, stride_we, stride_wn, stride_h,
+def _gate_up_kernel(x_ptr, ids_ptr, tok_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router_ptr, logits_ptr, T, S, E,
+                    V, TOPK, H, I, IS, E_R, limit, stride_x, stride_we, stride_wn, stride_h,
                     S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
-                    ROUTER: tl.constexpr):
+                    ROUTER: tl.constexpr, HASH: tl.constexpr):
     """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
     program ``i``'s expert ``e``. ``SHARED``: the next row of programs is the shared expert,
     ``hs[t, n-tile] = swiglu(x[t] @ {sg, su}[n-tile].T)`` for every token (``sg``, ``su [IS, H]``).
@@ -111,7 +118,7 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router
     row = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+    slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
     tokens = slots
     t_ok = tokens < T
     is_router = ROUTER and row == tl.num_programs(0) - 1
@@ -146,9 +153,10 @@ def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router
 
 
 @triton.jit
-def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S, E, H, I, IS,
+def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S, E, V, TOPK, H, I, IS,
                  stride_h, stride_we, stride_wn, stride_out,
-                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr):
+                 S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
+                 HASH: tl.constexpr):
     """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``i = 0``
     programs also write zeros for slots whose id is outside ``[0, E)``. ``SHARED``: the last row of
     programs is the shared expert, ``out_s[t, n-tile] = hs[t] @ sd[n-tile].T`` (``sd [H, IS]``)."""
@@ -163,7 +171,7 @@ def _down_kernel(h_ptr, ids_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S
         tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
                  mask=t_ok[:, None] & col_ok[None, :])
     else:
-        slots, ids, e, served, hit = _slot_rows(ids_ptr, S, E, S_PAD)
+        slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
         w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
         acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok, col_ok,
                            tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K, False)
@@ -194,16 +202,19 @@ def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: to
 def launch_moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                        limit: float, shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                        router: torch.Tensor | None = None, gate_up_config: TileConfig | None = None,
-                       down_config: TileConfig | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       down_config: TileConfig | None = None, token_ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`launch_routed_experts` with the shared expert ``shared = (gate [IS, H], up [IS, H],
     down [H, IS])`` applied to every token and, given ``router [E, H]``, the router's logits, in the
     same two launches (a row of programs each) -> ``(slots [T * K, H], shared_out [T, H], logits
-    [T, E])`` of ``x``'s dtype (``logits`` ``[T, 0]`` without a router)."""
-    return _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared, router)
+    [T, E])`` of ``x``'s dtype (``logits`` ``[T, 0]`` without a router). With ``token_ids [T]``,
+    ``expert_ids`` is a hash table ``[V, K]`` whose rows the kernels look up themselves."""
+    return _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared, router, token_ids)
 
 
-def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared=None, router=None):
-    t, topk = expert_ids.shape
+def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, shared=None, router=None,
+            token_ids=None):
+    t, topk, vocab = x.shape[0], expert_ids.shape[1], expert_ids.shape[0]
     s = t * topk
     if s > MAX_SLOTS:
         raise ValueError(f"launch_routed_experts: {s} slots, the kernels take at most {MAX_SLOTS}")
@@ -215,7 +226,8 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
     default = FEW_EXPERTS_CONFIGS if reachable <= FEW_EXPERTS else MANY_EXPERTS_CONFIGS
     gate_up_config, down_config = gate_up_config or default[0], down_config or default[1]
     x, gate_up, down = (v if v.stride(-1) == 1 else v.contiguous() for v in (x, gate_up, down))
-    ids = expert_ids.reshape(-1).contiguous()
+    ids = expert_ids.contiguous()  # the slots' ids, or with token_ids the table they index
+    tokens = token_ids.contiguous() if token_ids is not None else ids
     out = torch.empty(s, hidden, dtype=x.dtype, device=x.device)
     logits = torch.empty(t, router.shape[0] if router is not None else 0, dtype=x.dtype, device=x.device)
     if shared is not None:
@@ -233,16 +245,18 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
         rows = reachable + (shared is not None)
         bn, bk, warps, stages = gate_up_config
         columns = max(inter, shared_inter, logits.shape[1])
+        hashed = token_ids is not None
         _gate_up_kernel[(rows + (router is not None), triton.cdiv(columns, bn))](
-            x, ids, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits, t, s,
-            num_experts, topk, hidden, inter, shared_inter, logits.shape[1], float(limit), x.stride(0),
+            x, ids, tokens, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits,
+            t, s, num_experts, vocab, topk, hidden, inter, shared_inter, logits.shape[1], float(limit), x.stride(0),
             gate_up.stride(0), gate_up.stride(1), h.stride(0), S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk,
-            SHARED=shared is not None, ROUTER=router is not None, num_warps=warps, num_stages=stages)
+            SHARED=shared is not None, ROUTER=router is not None, HASH=hashed, num_warps=warps, num_stages=stages)
         bn, bk, warps, stages = down_config
         _down_kernel[(rows, triton.cdiv(hidden, bn))](
-            h, ids, down, out, shared_h, shared_down, shared_out, t, s, num_experts, hidden, inter, shared_inter,
-            h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, num_warps=warps, num_stages=stages)
+            h, ids, tokens, down, out, shared_h, shared_down, shared_out, t, s, num_experts, vocab, topk, hidden,
+            inter, shared_inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
+            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, HASH=hashed, num_warps=warps,
+            num_stages=stages)
     return out, shared_out, logits
 
 

@@ -126,6 +126,27 @@ def test_shared_expert_and_router_in_the_same_launches(device, dtype, tokens, to
     assert none.shape == (tokens, 0)
 
 
+@pytest.mark.parametrize("tokens, topk", [(1, 2), (6, 2), (5, 3)])
+def test_moe_experts_looks_up_a_hash_table(device, tokens, topk):
+    """``token_ids`` with a table of 10 rows: the outputs of the launch given the looked-up ids, bit
+    for bit; a token id outside the table (-1, 10) reads no row and makes its slots 0."""
+    dtype = DTYPES[0]
+    gate_up, down = _weights(4, 48, 32, device, dtype)
+    x, _ = _inputs(tokens, topk, 4, 48, device, dtype)
+    gen = torch.Generator(device=device).manual_seed(tokens)
+    table = torch.rand(10, 4, generator=gen, device=device).argsort(dim=1)[:, :topk]
+    token_ids = torch.randint(0, 10, (tokens,), generator=gen, device=device)
+    if tokens > 1:
+        token_ids[0], token_ids[-1] = -1, 10
+    shared, router = _shared(48, 32, device, dtype), _router(4, 48, device, dtype)
+    got = kernels.launch_moe_experts(x, table, gate_up, down, 10.0, shared, router, *SMALL, token_ids=token_ids)
+    want = kernels.launch_moe_experts(x, ref.hash_expert_ids(table, token_ids), gate_up, down, 10.0, shared, router,
+                                      *SMALL)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if tokens > 1:
+        assert not got[0][:topk].any() and not got[0][-topk:].any() and got[0][topk:-topk].abs().sum() > 0
+
+
 def test_router_of_more_experts_than_columns(device):
     """A router of 40 experts (over 16-row tiles; the layer holds 4 of them, as a rank under expert
     parallelism would): the router's programs outnumber the experts' column tiles, so the grid's

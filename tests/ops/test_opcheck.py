@@ -163,6 +163,14 @@ def test_moe_experts(tokens, router):
 
 
 @pytest.mark.parametrize("tokens", [0, 3])
+def test_moe_experts_of_a_hash_table(tokens):
+    """``expert_ids`` a table of 10 rows, looked up by ``token_ids``."""
+    x, _, *rest = _moe_experts_args(tokens, torch.float16)
+    table = torch.rand(10, 4).argsort(dim=1)[:, :2]
+    _opcheck(ops.moe_experts, (x, table, *rest, torch.randint(0, 10, (tokens,))))
+
+
+@pytest.mark.parametrize("tokens", [0, 3])
 def test_router_topk(tokens):
     _opcheck(ops.router_topk, (torch.randn(tokens, 64).half(), torch.randn(8, 64).half(), torch.randn(8), 2))
 

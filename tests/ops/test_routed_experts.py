@@ -203,10 +203,40 @@ def test_moe_experts_bad_arguments_name_themselves():
              ((g, u, d, r.half()), TypeError, "router must have dtype"),
              ((g, u, d, r[:, :64]), ValueError, "router has shape"),
              ((g, u, d, r[:0]), ValueError, "router's expert count=0"),
-             ((g, u, d, r.to("meta")), ValueError, "router is on meta")]
+             ((g, u, d, r.to("meta")), ValueError, "router is on meta"),
+             ((g, u, d, r, torch.arange(2)), ValueError, "token_ids has shape"),
+             ((g, u, d, r, torch.zeros(3)), TypeError, "token_ids must have dtype"),
+             ((g, u, d, r, torch.arange(3).to("meta")), ValueError, "token_ids is on meta")]
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             torch.ops.dsv4.moe_experts(*routed, *args)
+    with pytest.raises(ValueError, match="table rows=0"):
+        torch.ops.dsv4.moe_experts(x, ids[:0], *routed[2:], g, u, d, r, torch.arange(3))
+
+
+@pytest.mark.parametrize("tokens", [0, 1, 6])
+def test_moe_experts_looks_up_a_hash_table(tokens):
+    """With ``token_ids`` the op takes each token's experts from row ``token_ids[t]`` of the table it
+    is given: the same outputs as with the looked-up ids, bit for bit; a token id outside the table
+    (-1, V) chooses no expert, so its slots are 0, as ids of -1 make them."""
+    block = _moe_block(0)
+    experts, shared = block.experts, block.shared_experts
+    weights = (experts.gate_up_proj.detach(), experts.down_proj.detach(), 10.0,
+               *(w.detach() for w in (shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight)),
+               block.gate.weight.detach())
+    table = block.gate.tid2eid
+    x, _, _ = _route(tokens, 2, 4)
+    token_ids = torch.randint(0, table.shape[0], (tokens,), generator=torch.Generator().manual_seed(tokens))
+    if tokens > 1:
+        token_ids[0], token_ids[-1] = -1, table.shape[0]
+    chosen = ref.hash_expert_ids(table, token_ids)
+    assert chosen.shape == (tokens, 2) and (chosen[1:-1] == table[token_ids[1:-1]]).all()
+    assert tokens < 2 or ((chosen[0] == -1).all() and (chosen[-1] == -1).all())
+    got = torch.ops.dsv4.moe_experts(x, table, weights[0], weights[1], *weights[2:], token_ids)
+    want = torch.ops.dsv4.moe_experts(x, chosen, weights[0], weights[1], *weights[2:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    if tokens > 1:
+        assert not got[0][:2].any() and not got[0][-2:].any()
 
 
 def test_moe_forward_is_the_block_off_cuda():
