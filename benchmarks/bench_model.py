@@ -497,7 +497,7 @@ def measure_backend(backend: ModelBackend, way: str, fn: StepFn, args, results: 
             for k in profiled["top"][:25]:
                 print(f"    {k['critical_us_per_step']:8.1f} {k['us_per_step']:8.1f} us  x{k['calls_per_step']:5.1f}  "
                       f"{k['name'][:90]}", flush=True)
-            first_way, first = next(iter((w, p[b]) for w, p in results["profile"].items() if b in p))
+            first_way, first = next((w, p[b]) for w, p in results["profile"].items() if b in p)
             if first_way != way:
                 for line in kernel_changes(first["top"], profiled["top"]):
                     print(f"    against {first_way}: {line}", flush=True)

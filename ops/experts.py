@@ -56,7 +56,9 @@ def _check_routed_experts(x, expert_ids, gate_up, down, limit, op: str = "routed
 
 
 def _routed_experts_fake(x, expert_ids, gate_up, down, limit):
-    return x.new_empty(expert_ids.numel(), x.shape[1])
+    """A slot per token and column of ``expert_ids`` (whose rows are a table's with ``moe_experts``'
+    ``token_ids``)."""
+    return x.new_empty(x.shape[0] * expert_ids.shape[1], x.shape[1])
 
 
 def grouped_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -113,7 +115,7 @@ def _check_moe_experts(x, expert_ids, gate_up, down, limit, shared_gate, shared_
 def _moe_experts_fake(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router,
                       token_ids=None):
     logits = x.new_empty(x.shape[0], router.shape[0] if router is not None else 0)
-    return x.new_empty(x.shape[0] * expert_ids.shape[1], x.shape[1]), x.new_empty(x.shape), logits
+    return _routed_experts_fake(x, expert_ids, gate_up, down, limit), x.new_empty(x.shape), logits
 
 
 def _moe_experts_cuda(x, expert_ids, gate_up, down, limit, shared_gate, shared_up, shared_down, router,
