@@ -73,6 +73,9 @@ orders or in separate processes):
     compiled_step_graphs_sinkhorn_in_registers  whole-step graphs with each hyper-connection's
                    Sinkhorn steps on values every thread holds
                    (``hyper_connection.SINKHORN_IN_REGISTERS`` on); not in the default ``--ways``
+    compiled_step_graphs_switches_on  whole-step graphs with the three switches above on at once
+                   (Sinkhorn in registers, the learned-router op, normalising after the sum); not in
+                   the default ``--ways``
     compiled_step_graphs_norm_apart  whole-step graphs with each block's input norm and the final norm
                    run as the norm module on the output of the mHC op of its collapse, not inside that op
                    (``hf_hyper_connection.NORM_IN_OP`` off); not in the default ``--ways``
@@ -114,7 +117,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 
 import torch
 from torch._dynamo.utils import counters
@@ -159,7 +162,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
         "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
-        "compiled_step_graphs_sinkhorn_in_registers", "compiled_step_graphs_norm_apart")
+        "compiled_step_graphs_sinkhorn_in_registers", "compiled_step_graphs_switches_on",
+        "compiled_step_graphs_norm_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -564,6 +568,14 @@ def _with_passes(passes: Callable[[], list], **kwargs) -> Callable:
     return lambda backend: compile_step(backend, mode="reduce-overhead", passes=DSV4PassManager(passes()), **kwargs)
 
 
+def _entered(*settings) -> ExitStack:
+    """One context that enters every one of ``settings``."""
+    stack = ExitStack()
+    for setting in settings:
+        stack.enter_context(setting)
+    return stack
+
+
 # way -> (the setting its step is compiled and measured in, or None; backend -> the step)
 STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_lean": (None, lambda b: compile_step(b, mode="reduce-overhead", model_guards=False)),
@@ -582,6 +594,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_normalise_after_sum": (lambda: normalise_after_sum(True), _step_graphs),
     "compiled_step_graphs_router_op": (lambda: learned_router_op(True), _step_graphs),
     "compiled_step_graphs_sinkhorn_in_registers": (lambda: sinkhorn_in_registers(True), _step_graphs),
+    "compiled_step_graphs_switches_on": (lambda: _entered(sinkhorn_in_registers(True), learned_router_op(True),
+                                                          normalise_after_sum(True)), _step_graphs),
     "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }
