@@ -96,22 +96,22 @@ class HFAttention(nn.Module):
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""
-        o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
-        g = self.config.o_groups
-        grouped = self._grouped_projection(o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g))
-        return self.attn.o_b_proj(grouped.flatten(1))
+        return self.attn.o_b_proj(self._grouped_projection(o, positions).flatten(1))
 
-    def _grouped_projection(self, o: torch.Tensor) -> torch.Tensor:
-        """``o_a_proj`` of ``o [T, G, K]`` -> ``[T, G, N]``: transformers' ``DeepseekV4GroupedLinear``
-        with a plain weight of ``o``'s dtype and no bias as ``dsv4::grouped_linear`` on that weight,
-        any other module (a quantiser's, a tensor-parallel shard) called as it is. The module's
-        ``bmm`` output is transposed, and reshaping it asks whether T = 1 (a view then, a copy
-        otherwise): traced, that adds a guard which gives one row a frame of its own, with shapes
-        that are static after that point and symbolic before it (docs/compile.md)."""
+    def _grouped_projection(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Inverse RoPE and ``o_a_proj`` of ``o [T, H, 512]`` -> ``[T, G, N]``: transformers'
+        ``DeepseekV4GroupedLinear`` with a plain weight of ``o``'s dtype and no bias as one
+        ``dsv4::grouped_linear`` on that weight (the inverse RoPE inside it), any other module (a
+        quantiser's, a tensor-parallel shard) called as it is after ``dsv4::rope_tail``. The
+        module's ``bmm`` output is transposed, and reshaping it asks whether T = 1 (a view then, a
+        copy otherwise): traced, that adds a guard which gives one row a frame of its own, with
+        shapes that are static after that point and symbolic before it (docs/compile.md)."""
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4GroupedLinear
 
-        proj = self.attn.o_a_proj
+        proj, g = self.attn.o_a_proj, self.config.o_groups
+        grouped = o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g)
         if (type(proj).forward is not DeepseekV4GroupedLinear.forward or proj.bias is not None
-                or not is_plain_tensor(proj.weight) or proj.weight.dtype != o.dtype or proj.n_groups != o.shape[1]):
-            return proj(o)
-        return ops.grouped_linear(o, proj.weight)
+                or not is_plain_tensor(proj.weight) or proj.weight.dtype != o.dtype or proj.n_groups != g):
+            o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
+            return proj(o.reshape(grouped.shape))
+        return ops.grouped_linear(grouped, proj.weight, positions, self.inv_freq, HEAD_DIM)

@@ -153,10 +153,11 @@ class DSV4Attention(nn.Module):
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> hidden ``[T, hidden]``: inverse RoPE, grouped wo_a, wo_b."""
-        o = ops.rope_tail(o, positions.unsqueeze(1), self.inv_freq, inverse=True)
-        # one op with a contiguous output: no view in the trace depends on T = 1 (docs/compile.md)
+        # one op (the inverse RoPE inside) with a contiguous output: no view in the trace depends on
+        # T = 1 (docs/compile.md)
         g = self.config.o_groups
-        o = ops.grouped_linear(o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g), self.wo_a)
+        o = ops.grouped_linear(o.reshape(o.shape[0], g, self.config.num_heads * HEAD_DIM // g), self.wo_a,
+                               positions, self.inv_freq, HEAD_DIM)
         return F.linear(o.flatten(1), self.wo_b)
 
     # -- paged forward -------------------------------------------------------------------------

@@ -23,11 +23,13 @@ from __future__ import annotations
 
 import torch
 
-from ._checks import check_devices, check_tensor
+from ..reference import functional as ref
+from ._checks import INDEX_DTYPES, check_devices, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
     from .kernels import linear as kernels
+    from .kernels import norm_rope as rope_kernels
 
 DTYPES = (torch.bfloat16, torch.float16)  # what the kernels compute
 # grouped_linear takes fp32 too (a stack of fp32 weights calls it): the reference's bmm on every device
@@ -61,27 +63,57 @@ def linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.mm(x, w.t()) for w in weights]
 
 
-def _check_grouped_linear(x, w) -> None:
+def _check_grouped_linear(x, w, positions=None, inv_freq=None, head_dim=0) -> None:
     check_tensor("grouped_linear", "x", x, dtypes=GROUPED_DTYPES, ndim=3)
     check_tensor("grouped_linear", "w", w, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[2]))
     if w.shape[0] % x.shape[1]:
         raise ValueError(f"dsv4.grouped_linear: w has {w.shape[0]} rows, not a multiple of the "
                          f"{x.shape[1]} groups of x")
-    check_devices("grouped_linear", x=x, w=w)
+    if (positions is None) != (inv_freq is None):
+        raise ValueError("dsv4.grouped_linear: positions and inv_freq are given together (the inverse RoPE) "
+                         "or not at all")
+    tensors = {"x": x, "w": w}
+    if positions is not None:
+        check_tensor("grouped_linear", "positions", positions, dtypes=INDEX_DTYPES, ndim=1, shape=(x.shape[0],))
+        check_tensor("grouped_linear", "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+        half = inv_freq.shape[0]
+        if head_dim <= 0 or x.shape[2] % head_dim:
+            raise ValueError(f"dsv4.grouped_linear: head_dim={head_dim} must be positive and divide x's "
+                             f"{x.shape[2]} features per group")
+        if half == 0 or half & (half - 1) or 2 * half > head_dim:
+            raise ValueError(f"dsv4.grouped_linear: inv_freq has {half} entries; the inverse RoPE needs a power "
+                             f"of two, at most head_dim / 2 = {head_dim // 2}")
+        tensors.update(positions=positions, inv_freq=inv_freq)
+    check_devices("grouped_linear", **tensors)
 
 
-def _grouped_linear_fake(x, w):
+def _grouped_linear_fake(x, w, positions=None, inv_freq=None, head_dim=0):
     return x.new_empty(x.shape[0], x.shape[1], w.shape[0] // x.shape[1])
 
 
-def _grouped_linear_cuda(x, w):
-    if x.shape[0] > kernels.MAX_ROWS or x.dtype not in DTYPES:
+def _grouped_linear_cuda(x, w, positions=None, inv_freq=None, head_dim=0):
+    in_kernel = x.shape[0] <= kernels.MAX_ROWS and x.dtype in DTYPES
+    if positions is not None and not (in_kernel and kernels.UNROPE_IN_PRODUCT):
+        # the inverse RoPE's own kernel first
+        x = rope_kernels.launch_rope_tail(_heads(x, head_dim), positions.unsqueeze(1), inv_freq,
+                                          inverse=True).view(x.shape)
+        positions = inv_freq = None
+    if not in_kernel:
         return grouped_linear_reference(x, w)
-    return kernels.launch_grouped_linear(x, w)
+    return kernels.launch_grouped_linear(x, w, positions=positions, inv_freq=inv_freq, head_dim=head_dim)
 
 
-def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """The batched product ``transformers``' grouped linear computes (``bmm`` over the groups)."""
+def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """``x [M, G, K]`` as ``[M, G K / head_dim, head_dim]``."""
+    return x.reshape(x.shape[0], x.shape[1] * x.shape[2] // head_dim, head_dim)
+
+
+def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
+                             inv_freq: torch.Tensor | None = None, head_dim: int = 0) -> torch.Tensor:
+    """The batched product ``transformers``' grouped linear computes (``bmm`` over the groups),
+    after the inverse RoPE of each head when ``positions`` are given."""
+    if positions is not None:
+        x = ref.rope_tail(_heads(x, head_dim), positions.unsqueeze(1), inv_freq, inverse=True).view(x.shape)
     _, groups, k = x.shape
     out = torch.bmm(x.transpose(0, 1), w.reshape(groups, -1, k).transpose(1, 2))
     return out.transpose(0, 1).contiguous()
@@ -89,7 +121,15 @@ def grouped_linear_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 @dsv4_op("grouped_linear", check=_check_grouped_linear, fake=_grouped_linear_fake,
          cuda=_grouped_linear_cuda if HAS_TRITON else None)
-def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | None = None,
+                   inv_freq: torch.Tensor | None = None, head_dim: int = 0) -> torch.Tensor:
     """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T``: ``x [M, G, K]`` bf16 / fp16 / fp32, ``w [G N, K]``
-    of x's dtype -> ``[M, G, N]`` contiguous, x's dtype (fp32: the reference's ``bmm`` on CUDA too)."""
-    return grouped_linear_reference(x, w)
+    of x's dtype -> ``[M, G, N]`` contiguous, x's dtype (fp32: the reference's ``bmm`` on CUDA too).
+
+    With ``positions [M]`` int and ``inv_freq [R / 2]`` fp32 (a power of two), x's heads are rotated
+    back first: each group's K features are ``K / head_dim`` heads, and the last R features of each
+    head get the inverse RoPE at their row's position, rounded to x's dtype, as
+    ``dsv4::rope_tail(x.view(M, -1, head_dim), positions[:, None], inv_freq, inverse=True)`` (an
+    attention output before its ``o_a_proj``). On CUDA up to 16 rows that can be inside the product's
+    launch (``ops.kernels.linear.UNROPE_IN_PRODUCT``), which reads each rotated pair of x twice."""
+    return grouped_linear_reference(x, w, positions, inv_freq, head_dim)

@@ -285,6 +285,15 @@ def weight_prefetch(enabled: bool):
     return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)
 
 
+def unrope_in_product(enabled: bool):
+    """While entered, ``dsv4::grouped_linear`` with positions rotates the attention output's heads
+    back inside its product's launch (``ops.kernels.linear.UNROPE_IN_PRODUCT``) or in the inverse
+    RoPE's launch before it."""
+    from ..ops.kernels import linear
+
+    return _kernel_setting(linear, "UNROPE_IN_PRODUCT", enabled)
+
+
 def linears_split_k(rows: int):
     """While entered, ``dsv4::linears`` splits K for groups of up to ``rows`` weight rows
     (``ops.kernels.linear.SPLIT_K_ROWS``; 0: never)."""

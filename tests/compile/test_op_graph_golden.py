@@ -39,7 +39,6 @@ dsv4.indexer_topk
 dsv4.compress_kv
 dsv4.store_kv
 dsv4.sparse_attn
-dsv4.rope_tail
 dsv4.grouped_linear
 dsv4.rms_norm
 dsv4.rms_norm
@@ -50,7 +49,6 @@ dsv4.store_kv
 dsv4.compress_kv
 dsv4.store_kv
 dsv4.sparse_attn
-dsv4.rope_tail
 dsv4.grouped_linear""")
 
 

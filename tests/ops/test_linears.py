@@ -54,6 +54,33 @@ def test_grouped_linear_bad_arguments_name_themselves():
         ((x, w[:7]), ValueError, "not a multiple of the 2 groups"),
         ((x, w.to("meta")), ValueError, "w is on meta"),
     ]
+    pos, freq = torch.arange(3), torch.rand(4)
+    cases += [
+        ((x, w, pos, None, 8), ValueError, "given together"),
+        ((x, w, pos.float(), freq, 8), TypeError, "positions must have dtype"),
+        ((x, w, pos[:2], freq, 8), ValueError, "positions has shape"),
+        ((x, w, pos, freq.double(), 8), TypeError, "inv_freq must have dtype"),
+        ((x, w, pos, freq, 0), ValueError, "head_dim=0 must be positive"),
+        ((x, w, pos, freq, 6), ValueError, "head_dim=6 must be positive and divide"),
+        ((x, w, pos, freq[:3], 8), ValueError, "inv_freq has 3 entries"),
+        ((x, w, pos, torch.rand(8), 8), ValueError, "at most head_dim / 2 = 4"),
+        ((x, w, pos.to("meta"), freq, 8), ValueError, "positions is on meta"),
+    ]
     for args, error, message in cases:
         with pytest.raises(error, match=message):
             torch.ops.dsv4.grouped_linear(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_grouped_linear_rotates_heads_back_first(dtype):
+    """With positions: the product of x whose heads (head_dim 16, RoPE on their last 8) were
+    rotated back by ``rope_tail(..., inverse=True)``, bit for bit; not the product of x itself."""
+    from dsv4_compile.reference.functional import rope_tail
+
+    x, w = torch.randn(3, 2, 32).to(dtype), torch.randn(2 * 8, 32).to(dtype)
+    positions, inv_freq = torch.tensor([0, 17, 40_000], dtype=torch.int32), 0.3 ** torch.arange(4.0)
+    unroped = rope_tail(x.view(3, 4, 16), positions[:, None], inv_freq, inverse=True).view(x.shape)
+    got = torch.ops.dsv4.grouped_linear(x, w, positions, inv_freq, 16)
+    assert torch.equal(got, torch.ops.dsv4.grouped_linear(unroped, w))
+    assert torch.equal(got[0], torch.ops.dsv4.grouped_linear(x, w)[0])  # position 0: no rotation
+    assert not torch.equal(got[1:], torch.ops.dsv4.grouped_linear(x, w)[1:])

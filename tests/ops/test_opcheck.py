@@ -183,6 +183,8 @@ def test_linears(rows):
 @pytest.mark.parametrize("rows", [0, 3])
 def test_grouped_linear(rows):
     _opcheck(ops.grouped_linear, (torch.randn(rows, 2, 64).half(), torch.randn(2 * 8, 64).half()))
+    _opcheck(ops.grouped_linear, (torch.randn(rows, 2, 64).half(), torch.randn(2 * 8, 64).half(),
+                                  torch.arange(rows), torch.rand(4), 32))
 
 
 @pytest.mark.parametrize("rows", [0, 3])
