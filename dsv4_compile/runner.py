@@ -30,6 +30,7 @@ from .config import PAGE_SIZE, SWA_WINDOW
 from .sampling import check_sampling, sample_tokens
 from .step import TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
 from .step_builder import StepBuilder
+from .transfer import to_device
 from .validate import check_count
 
 if TYPE_CHECKING:
@@ -165,7 +166,7 @@ class ModelRunner(StepBuilder):
             rows = [self.admit() for _ in counts]
             try:
                 step = self.build_step(ForwardMode.EXTEND, dict(zip(rows, counts)))
-                self.step_fn(self._ids([0] * step.num_tokens), step, self._ids([0] * num_logits))
+                self.step_fn(*self._token_inputs(step, [0] * step.num_tokens, [0] * num_logits))
             finally:
                 for row in rows:
                     self.release(row)
@@ -270,10 +271,13 @@ class ModelRunner(StepBuilder):
         size = bucket(len(logit_rows), TOKEN_BUCKETS) if self.bucketed else len(logit_rows)
         logit_rows = logit_rows + [0] * (max(2, size) - len(logit_rows))
         ids = ids + [0] * (step.num_tokens - len(ids))
-        return self.step_fn(self._ids(ids), step, self._ids(logit_rows))
+        return self.step_fn(*self._token_inputs(step, ids, logit_rows))
 
-    def _ids(self, values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64, device=self.device)
+    def _token_inputs(self, step: StepInputs, ids: list[int], logit_rows: list[int]
+                      ) -> tuple[torch.Tensor, StepInputs, torch.Tensor]:
+        """``step_fn``'s arguments: ``ids`` and ``logit_rows`` as int64 tensors, one copy for both."""
+        ids_t, rows_t = to_device(self.device, int64=[ids, logit_rows])
+        return ids_t, step, rows_t
 
     def _token_lists(self, name: str, sequences, *, allow_empty: bool = False) -> list[list[int]]:
         """``sequences`` (token sequences or 1-D integer tensors) as lists of ints in ``[0, vocab)``;

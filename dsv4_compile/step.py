@@ -90,8 +90,7 @@ class StepInputs:
         """Build from Python sequences or tensors of integers, padding ``out_cache_loc`` with 0 to
         ``num_tokens`` rows (a bucket size) when given. A mode that is not a ``ForwardMode``,
         non-integer values or per-request lists of different lengths raise, naming the argument."""
-        if not isinstance(mode, ForwardMode):
-            raise TypeError(f"mode must be a ForwardMode, got {type(mode).__name__}")
+        check_mode(mode)
         per_request = {name: _index_vector(name, v, torch.int32, device) for name, v in
                        (("req_rows", req_rows), ("seq_lens", seq_lens), ("extend_lens", extend_lens))}
         if len({t.shape[0] for t in per_request.values()}) > 1:
@@ -111,6 +110,12 @@ class StepInputs:
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return cls(ForwardMode.IDLE, empty, empty, empty,
                    torch.zeros(num_tokens, dtype=torch.int64, device=device))
+
+
+def check_mode(mode) -> None:
+    """``TypeError`` naming ``mode`` unless it is a :class:`ForwardMode`."""
+    if not isinstance(mode, ForwardMode):
+        raise TypeError(f"mode must be a ForwardMode, got {type(mode).__name__}")
 
 
 def _index_vector(name: str, values, dtype: torch.dtype, device) -> torch.Tensor:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
-
 from .allocator import PageAllocator
-from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
+from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket, check_mode
+from .transfer import to_device
 from .validate import check_count
 
 
@@ -60,6 +59,7 @@ class StepBuilder:
         is bad), no request is extended."""
         if not isinstance(tokens, Mapping):
             raise TypeError(f"tokens must be a mapping of request row to token count, got {type(tokens).__name__}")
+        check_mode(mode)
         pad_requests, pad_tokens = check_count("pad_requests", pad_requests), check_count("pad_tokens", pad_tokens)
         with self.allocator.transaction():
             loc = self.allocator.extend_requests(tokens)
@@ -76,8 +76,6 @@ class StepBuilder:
         pad_b = max(0, pad_requests - len(rows))
         rows, seq_lens, ext = rows + [0] * pad_b, seq_lens + [0] * pad_b, ext + [0] * pad_b
         loc = loc + [0] * max(0, pad_tokens - len(loc))
-        # one transfer for the four tensors (each of its own would wait for the device)
-        packed = torch.tensor(rows + seq_lens + ext + loc, dtype=torch.int64).to(self.device)
-        b = len(rows)
-        per_request = (packed[i * b:(i + 1) * b].to(torch.int32) for i in range(3))
-        return StepInputs.make(mode, *per_request, packed[3 * b:].clone(), device=self.device)
+        # one copy for the four tensors, each in its dtype (docs/compile.md, "Caches are module buffers")
+        loc, rows, seq_lens, ext = to_device(self.device, int64=[loc], int32=[rows, seq_lens, ext])
+        return StepInputs(mode, rows, seq_lens, ext, loc)
