@@ -20,7 +20,7 @@ from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseNormRopePass, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.reference.functional import apply_rope, rms_norm, rope_tail
 from dsv4_compile.testing.oracle_recorder import make_engine
-from tests.support.compile_checks import GraphCapture, fresh_compile_state
+from tests.support.compile_checks import dynamo_graph, fresh_compile_state
 from tests.support.hf_model import three_layer_prefill
 from tests.support.oracle_asserts import assert_outputs_match
 
@@ -179,14 +179,6 @@ OP_CHAINS = {
 }
 
 
-def _dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
-    """Dynamo's graph of ``fn`` at ``args`` (static shapes) and the inputs it takes."""
-    capture = GraphCapture("eager")
-    with fresh_compile_state():
-        torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
-    return capture.graphs[-1], capture.inputs[-1]
-
-
 @pytest.mark.parametrize("chain", list(OP_CHAINS))
 def test_op_calls_fused_in_dynamos_graph(chain):
     """The pre-grad stage on Dynamo's graph: ``rope_tail(rms_norm(...))`` calls of a query or key
@@ -196,7 +188,7 @@ def test_op_calls_fused_in_dynamos_graph(chain):
     fn, heads, want_matches = OP_CHAINS[chain]
     x, positions, inv_freq = _inputs(heads)
     args = (x, HF_WEIGHTED.weight, positions, inv_freq)
-    gm, inputs = _dynamo_graph(fn, *args)
+    gm, inputs = dynamo_graph(fn, *args)
     calls = [n.target for n in gm.graph.nodes if n.op == "call_function"]
     assert FuseNormRopePass(("cpu",)).apply_pre_grad(gm.graph) == want_matches
     gm.recompile()
@@ -214,7 +206,7 @@ def test_op_calls_fused_in_dynamos_graph(chain):
 def test_op_calls_on_other_devices_stay():
     fn, heads, _ = OP_CHAINS["query"]
     x, positions, inv_freq = _inputs(heads)
-    gm, _ = _dynamo_graph(fn, x, HF_WEIGHTED.weight, positions, inv_freq)
+    gm, _ = dynamo_graph(fn, x, HF_WEIGHTED.weight, positions, inv_freq)
     assert FuseNormRopePass().apply_pre_grad(gm.graph) == 0  # CUDA only, CPU tensors
 
 

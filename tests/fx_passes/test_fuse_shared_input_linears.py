@@ -17,7 +17,7 @@ from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, Fuse
                                     FuseSinkhornPass, FuseStepMetadataPass)
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
-from tests.support.compile_checks import fresh_compile_state
+from tests.support.compile_checks import dynamo_graph, fresh_compile_state
 from tests.support.hf_model import tiny_hf_config, tiny_hf_model
 
 FUSED = "dsv4.linears.default"
@@ -85,6 +85,32 @@ def test_lone_product_of_a_deep_k():
     for fuse in (FuseSharedInputLinearsPass(("cpu",), lone_min_k=None), FuseSharedInputLinearsPass(("cpu",), 8192)):
         fuse(gm.graph)
         assert (fuse.matched_count, fuse.last_ops) == (0, [])
+
+
+def _projections(x, w1, w2, w3, w_lone, b):
+    """Three bias-free products of ``x`` (one as ``nn.Linear`` calls it, ``bias=None``), a lone one
+    of ``x * 2``, one with a bias."""
+    y = torch.nn.functional.linear
+    return y(x, w1) + 1, y(x, w2, None), y(x, w3).sum(), y(x * 2, w_lone), y(x, w1, b)
+
+
+@torch.no_grad()
+def test_projections_of_one_input_fused_in_dynamos_graph():
+    """The pre-grad stage on Dynamo's graph: the bias-free ``F.linear`` calls of one x by graph
+    inputs become one ``linears`` call before AOTAutograd traces them (same bits on the CPU); a
+    lone product and a product with a bias are left to the post-grad stage."""
+    x = torch.randn(3, 64, **bf16)
+    args = (x, *_weights(8, 16, 5), *_weights(4), torch.randn(8, **bf16))
+    gm, inputs = dynamo_graph(_projections, *args)
+    fuse = FuseSharedInputLinearsPass(("cpu",))
+    assert fuse.apply_pre_grad(gm.graph) == 1
+    gm.recompile()
+    fused = gm.graph.find_nodes(op="call_function", target=torch.ops.dsv4.linears.default)
+    assert [len(n.args[1]) for n in fused] == [3]
+    assert len(gm.graph.find_nodes(op="call_function", target=torch._C._nn.linear)) == 2
+    for got, want in zip(gm(*inputs), _projections(*args), strict=True):
+        assert torch.equal(got, want)
+    assert FuseSharedInputLinearsPass().apply_pre_grad(dynamo_graph(_projections, *args)[0].graph) == 0  # CUDA only
 
 
 def test_uuid_follows_the_devices_and_lone_min_k():

@@ -44,6 +44,15 @@ def fresh_compile_state():
     torch._dynamo.reset()
 
 
+def dynamo_graph(fn, *args) -> tuple[torch.fx.GraphModule, list]:
+    """Dynamo's graph of ``fn`` at ``args`` (static shapes) and the inputs it takes: what a pass's
+    ``apply_pre_grad`` rewrites."""
+    capture = GraphCapture("eager")
+    with fresh_compile_state():
+        torch.compile(fn, backend=capture, fullgraph=True, dynamic=False)(*args)
+    return capture.graphs[-1], capture.inputs[-1]
+
+
 def graph_breaks() -> int:
     return sum(counters["graph_break"].values())
 
