@@ -37,6 +37,12 @@ def fake_result(op: torch._ops.OpOverload, args: tuple):
         return op(*vals)
 
 
+def traced_value(arg: object) -> object:
+    """What Dynamo traced ``arg`` to (its fake value, in a pre-grad graph), None for anything but a
+    node."""
+    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
+
+
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
     """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
     with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in

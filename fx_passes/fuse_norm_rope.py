@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope)
 from ..ops.norm_rope import DTYPES
 from ..reference.functional import rms_norm, rope_tail
-from .base import OnDevicesPass
+from .base import OnDevicesPass, traced_value
 
 _EPS = 1e-6  # traced value of the norms' eps; the pattern takes any (scalar_workaround)
 _HF_MODULE = "transformers.models.deepseek_v4.modeling_deepseek_v4"
@@ -183,11 +183,6 @@ def _arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket) -> dict:
     return named
 
 
-def _traced(arg: object) -> object:
-    """What Dynamo traced ``arg`` to (its fake value), None for anything but a node."""
-    return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
-
-
 class FuseNormRopePass(OnDevicesPass):
     def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
         """``rope_tail(rms_norm(x, weight, eps), positions, inv_freq)`` calls in Dynamo's graph,
@@ -220,7 +215,7 @@ class FuseNormRopePass(OnDevicesPass):
                                              and norm.target in (_NORM_OP, _NORM_OP.default)):
             return None
         n = _arguments(norm, _NORM_OP)
-        x, positions = _traced(n["x"]), r["positions"]
+        x, positions = traced_value(n["x"]), r["positions"]
         if not (isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in self.devices
                 and x.dim() in (2, 3)):
             return None
@@ -231,7 +226,7 @@ class FuseNormRopePass(OnDevicesPass):
                 return None
             inputs.append(positions)
             positions = positions.args[0]
-        p, inv_freq = _traced(positions), _traced(r["inv_freq"])
+        p, inv_freq = traced_value(positions), traced_value(r["inv_freq"])
         if not (isinstance(p, torch.Tensor) and p.dim() == 1 and statically_known_true(p.shape[0] == x.shape[0])
                 and isinstance(inv_freq, torch.Tensor) and _power_of_two(inv_freq.shape[0])):
             return None

@@ -37,7 +37,7 @@ import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::linears)
 from ..ops.linear import DTYPES
-from .base import OnDevicesPass, fake_result
+from .base import OnDevicesPass, traced_value
 
 _aten = torch.ops.aten
 _LINEARS = torch.ops.dsv4.linears.default
@@ -69,9 +69,10 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
 
     def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
         """The same groups in Dynamo's graph, before AOTAutograd: two or more ``F.linear(x, w)``
-        (no bias, or ``bias=None``) of one 2-D ``x`` by placeholder weights ``w`` become one ``linears`` call, so
-        AOTAutograd traces one node instead of a transpose and a product each. Lone products are
-        left to :meth:`apply` (Inductor's own post-grad patterns, e.g. ``addmm``, run first there)."""
+        (no bias, or ``bias=None``) of one 2-D ``x`` by placeholder weights ``w`` become one
+        ``linears`` call, so AOTAutograd traces one node instead of a transpose and a product each.
+        Lone products are left to :meth:`apply` (Inductor's own post-grad patterns, e.g. ``addmm``,
+        run first there)."""
         by_input: dict[torch.fx.Node, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)
         for lin in graph.find_nodes(op="call_function", target=torch._C._nn.linear):  # graph order
             if (w := self._pre_grad_weight_of(lin)) is not None:
@@ -80,19 +81,19 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         for x, group in by_input.items():
             if len(group) >= 2:
                 lins, weights = map(list, zip(*group))
-                _replace_pre_grad(graph, x, lins, weights)
+                _replace(graph, x, lins, weights, key="example_value")
                 matches += 1
         return matches
 
     def _pre_grad_weight_of(self, lin: torch.fx.Node) -> torch.fx.Node | None:
         """The placeholder ``w`` of ``F.linear(x, w)`` (no bias) in Dynamo's graph when the
         product qualifies, else None."""
-        if lin.kwargs or len(lin.args) not in (2, 3) or lin.args[2:] not in ((), (None,)):
+        if lin.kwargs or lin.args[2:] not in ((), (None,)):
             return None
         x, w = lin.args[:2]
-        if not (isinstance(x, torch.fx.Node) and isinstance(w, torch.fx.Node) and w.op == "placeholder"):
+        if not (isinstance(w, torch.fx.Node) and w.op == "placeholder"):
             return None
-        xv, wv = _traced(x), _traced(w)
+        xv, wv = traced_value(x), traced_value(w)
         if not (isinstance(xv, torch.Tensor) and isinstance(wv, torch.Tensor)):
             return None
         ok = (xv.dim() == 2 and wv.dim() == 2 and xv.dtype in DTYPES and wv.dtype == xv.dtype
@@ -135,45 +136,24 @@ def _input_key(x: torch.fx.Node) -> object:
     return x
 
 
-def _traced(node: torch.fx.Node) -> object:
-    """What Dynamo traced ``node`` to (a placeholder's example value, or a parameter's)."""
-    return node.meta.get("example_value", node.meta.get("val"))
-
-
-def _replace_pre_grad(graph: torch.fx.Graph, x: torch.fx.Node, lins: list[torch.fx.Node],
-                      weights: list[torch.fx.Node]) -> None:
-    """One ``linears`` call before the first of ``lins`` (Dynamo's graph order); each linear's
-    users read its output instead."""
-    with graph.inserting_before(lins[0]):
+def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.Node], weights: list[torch.fx.Node],
+             key: str = "val") -> None:
+    """One ``linears`` node before the first of ``products`` (in graph order: ``aten.mm`` calls
+    post-grad, ``F.linear`` calls in Dynamo's graph); each product's users read its output instead.
+    ``key``: the meta entry of the graph's values (``"val"``, Dynamo's ``"example_value"``)."""
+    with graph.inserting_before(products[0]):
         fused = graph.call_function(_LINEARS, (x, weights))
-        fused.meta["example_value"] = [_traced(lin) for lin in lins]
+        fused.meta[key] = [p.meta[key] for p in products]
         outs = []
-        for i, lin in enumerate(lins):
+        for i, product in enumerate(products):
             out = graph.call_function(operator.getitem, (fused, i))
-            out.meta.update({k: lin.meta[k] for k in ("example_value", "stack_trace") if k in lin.meta})
+            out.meta[key] = product.meta[key]
             outs.append(out)
-    for lin, out in zip(lins, outs):
-        lin.replace_all_uses_with(out)
-        graph.erase_node(lin)
-
-
-def _replace(graph: torch.fx.Graph, x: torch.fx.Node, mms: list[torch.fx.Node], weights: list[torch.fx.Node]) -> None:
-    """One ``linears`` node before the first of ``mms`` (in graph order); each mm's users read its
-    output instead."""
-    args = (x, weights)
-    with graph.inserting_before(mms[0]):
-        fused = graph.call_function(_LINEARS, args)
-        fused.meta["val"] = fake_result(_LINEARS, args)
-        outs = []
-        for i in range(len(mms)):
-            out = graph.call_function(operator.getitem, (fused, i))
-            out.meta["val"] = fused.meta["val"][i]
-            outs.append(out)
-    for mm, out in zip(mms, outs):
-        inputs = mm.args
-        mm.replace_all_uses_with(out)
-        graph.erase_node(mm)
+    for product, out in zip(products, outs):
+        inputs = product.args
+        product.replace_all_uses_with(out)
+        graph.erase_node(product)
         for node in inputs:  # the weight's transpose, another product's own reshape of x
-            if not node.users and node.target in (*_RESHAPES, _aten.t.default, _aten.permute.default):
+            if (isinstance(node, torch.fx.Node) and not node.users
+                    and node.target in (*_RESHAPES, _aten.t.default, _aten.permute.default)):
                 graph.erase_node(node)
-
