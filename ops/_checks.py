@@ -53,6 +53,18 @@ def check_multiple_of(op: str, name: str, value: int, m: int) -> None:
         raise ValueError(f"dsv4.{op}: {name}={value} must be a multiple of {m}")
 
 
+def check_inv_freq(op: str, x: torch.Tensor, inv_freq: torch.Tensor, *, power_of_two: bool = False) -> None:
+    """``inv_freq [R / 2] fp32`` with R between 2 and x's last dim; R / 2 a power of two when
+    ``power_of_two`` (a kernel's ``tl.arange`` over the pairs)."""
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+    half = inv_freq.shape[0]
+    if not 0 < 2 * half <= x.shape[-1]:
+        raise ValueError(f"dsv4.{op}: inv_freq has {half} entries; RoPE on 2 x that many of x's "
+                         f"last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
+    if power_of_two and half & (half - 1):
+        raise ValueError(f"dsv4.{op}: inv_freq must have a power-of-two length, got {half}")
+
+
 def check_same_rows(op: str, **tensors: torch.Tensor) -> None:
     # Pairwise comparison, not a set: under tracing the sizes are SymInts (unhashable).
     rows = [t.shape[0] for t in tensors.values()]

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..reference import functional as ref
-from ._checks import INDEX_DTYPES, check_devices, check_tensor
+from ._checks import INDEX_DTYPES, check_devices, check_inv_freq, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -75,14 +75,10 @@ def _check_grouped_linear(x, w, positions=None, inv_freq=None, head_dim=0) -> No
     tensors = {"x": x, "w": w}
     if positions is not None:
         check_tensor("grouped_linear", "positions", positions, dtypes=INDEX_DTYPES, ndim=1, shape=(x.shape[0],))
-        check_tensor("grouped_linear", "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
-        half = inv_freq.shape[0]
         if head_dim <= 0 or x.shape[2] % head_dim:
             raise ValueError(f"dsv4.grouped_linear: head_dim={head_dim} must be positive and divide x's "
                              f"{x.shape[2]} features per group")
-        if half == 0 or half & (half - 1) or 2 * half > head_dim:
-            raise ValueError(f"dsv4.grouped_linear: inv_freq has {half} entries; the inverse RoPE needs a power "
-                             f"of two, at most head_dim / 2 = {head_dim // 2}")
+        check_inv_freq("grouped_linear", _heads(x, head_dim), inv_freq, power_of_two=True)
         tensors.update(positions=positions, inv_freq=inv_freq)
     check_devices("grouped_linear", **tensors)
 

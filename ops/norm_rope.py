@@ -21,7 +21,7 @@ import torch
 from ..config import HEAD_DIM, ROPE_DIM
 from ..reference import functional as ref
 from ..reference import kv_store
-from ._checks import SLOT_DTYPES, check_devices, check_same_rows, check_tensor
+from ._checks import SLOT_DTYPES, check_devices, check_inv_freq, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 from .kv_cache import check_model1_cache, writes_only
 
@@ -29,14 +29,6 @@ if HAS_TRITON:
     from .kernels import norm_rope as kernels
 
 DTYPES = (torch.bfloat16, torch.float16)
-
-
-def _check_inv_freq(op: str, x, inv_freq) -> None:
-    """``inv_freq [R / 2] fp32`` with R between 2 and x's last dim."""
-    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
-    if not 0 < 2 * inv_freq.shape[0] <= x.shape[-1]:
-        raise ValueError(f"dsv4.{op}: inv_freq has {inv_freq.shape[0]} entries; RoPE on 2 x that many of x's "
-                         f"last {x.shape[-1]} dims needs between 1 and {x.shape[-1] // 2}")
 
 
 def _check_rms_norm(x, weight, eps) -> None:
@@ -61,7 +53,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 
 def _check_rope_tail(x, positions, inv_freq, inverse=False) -> None:
     check_tensor("rope_tail", "x", x, dtypes=DTYPES + (torch.float32,))
-    _check_inv_freq("rope_tail", x, inv_freq)
+    check_inv_freq("rope_tail", x, inv_freq)
     check_tensor("rope_tail", "positions", positions, dtypes=(torch.int32, torch.int64))
     check_devices("rope_tail", x=x, positions=positions, inv_freq=inv_freq)
 
@@ -90,9 +82,7 @@ def _check_rms_norm_rope(x, weight, eps, round_scale, positions, inv_freq, op: s
     check_tensor(op, "x", x, dtypes=DTYPES)
     if x.dim() not in (2, 3):
         raise ValueError(f"dsv4.{op}: x must be [T, D] or [T, H, D], got shape {tuple(x.shape)}")
-    _check_inv_freq(op, x, inv_freq)
-    if inv_freq.shape[0] & (inv_freq.shape[0] - 1):
-        raise ValueError(f"dsv4.{op}: inv_freq must have a power-of-two length, got {inv_freq.shape[0]}")
+    check_inv_freq(op, x, inv_freq, power_of_two=True)
     check_tensor(op, "positions", positions, dtypes=(torch.int32, torch.int64), ndim=1, shape=(x.shape[0],))
     if weight is not None:
         check_tensor(op, "weight", weight, dtypes=(torch.float32, x.dtype), ndim=1, shape=(x.shape[-1],))

@@ -62,8 +62,8 @@ def test_grouped_linear_bad_arguments_name_themselves():
         ((x, w, pos, freq.double(), 8), TypeError, "inv_freq must have dtype"),
         ((x, w, pos, freq, 0), ValueError, "head_dim=0 must be positive"),
         ((x, w, pos, freq, 6), ValueError, "head_dim=6 must be positive and divide"),
-        ((x, w, pos, freq[:3], 8), ValueError, "inv_freq has 3 entries"),
-        ((x, w, pos, torch.rand(8), 8), ValueError, "at most head_dim / 2 = 4"),
+        ((x, w, pos, freq[:3], 8), ValueError, "inv_freq must have a power-of-two length, got 3"),
+        ((x, w, pos, torch.rand(8), 8), ValueError, "inv_freq has 8 entries; .* needs between 1 and 4"),
         ((x, w, pos.to("meta"), freq, 8), ValueError, "positions is on meta"),
     ]
     for args, error, message in cases:
