@@ -178,10 +178,10 @@ def _unroped(x, x_ptr, stride_x, m, m_ok, ks, k_ok, cos, sin, M_PAD: tl.constexp
     d = ks % HEAD_DIM - (HEAD_DIM - 2 * ROPE_HALF)  # column within the rotated tail (< 0: not in it)
     rotated = (d >= 0) & k_ok
     d = tl.where(rotated, d, 0)
-    partner = tl.where(d % 2 == 1, ks - 1, ks + 1)
-    other = tl.load(x_ptr + m[:, None] * stride_x + partner[None, :], mask=m_ok[:, None] & rotated[None, :],
-                    other=0.0).to(tl.float32)
-    odd = (d % 2 == 1)[None, :]
+    second = d % 2 == 1  # the pair's second value: its other value is the column before
+    other = tl.load(x_ptr + m[:, None] * stride_x + tl.where(second, ks - 1, ks + 1)[None, :],
+                    mask=m_ok[:, None] & rotated[None, :], other=0.0).to(tl.float32)
+    odd = second[None, :]
     pair = tl.broadcast_to((d // 2)[None, :], (M_PAD, BLOCK_K))
     own = x.to(tl.float32)
     r0, r1 = rotated_by(tl.where(odd, other, own), tl.where(odd, own, other),
