@@ -16,8 +16,10 @@ from .fuse_norm_rope import FuseNormRopePass  # noqa: E402
 from .fuse_shared_input_linears import FuseSharedInputLinearsPass  # noqa: E402
 from .fuse_sinkhorn import FuseSinkhornPass  # noqa: E402
 from .fuse_step_metadata import FuseStepMetadataPass  # noqa: E402
+from .inplace_mutations import InplaceMutationsPass  # noqa: E402
 from .pass_manager import DSV4PassManager  # noqa: E402
 from .replace_short_topk import ReplaceShortTopkPass  # noqa: E402
 
 __all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseGroupedLinearPass", "FuseKeyStorePass", "FuseNormRopePass",
-           "FuseSharedInputLinearsPass", "FuseSinkhornPass", "FuseStepMetadataPass", "ReplaceShortTopkPass"]
+           "FuseSharedInputLinearsPass", "FuseSinkhornPass", "FuseStepMetadataPass", "InplaceMutationsPass",
+           "ReplaceShortTopkPass"]

@@ -46,12 +46,14 @@ def traced_value(arg: object) -> object:
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
     """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
     with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in
-    ``auto_functionalized_v2``)."""
+    ``auto_functionalized_v2`` until :class:`InplaceMutationsPass` calls it directly)."""
     names = []
     for node in graph.nodes:
         target, suffix = node.target, ""
         if target is torch.ops.higher_order.auto_functionalized_v2:
             target, suffix = node.args[0], " (in place)"
+        elif isinstance(target, torch._ops.OpOverload) and target._schema.is_mutable:  # InplaceMutationsPass's
+            suffix = " (in place)"
         if node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and target.namespace == "dsv4":
             names.append(f"{target}{suffix}")
     return names

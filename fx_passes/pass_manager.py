@@ -9,7 +9,8 @@ benchmarks/README.md, "Hyper-connections"), the shared-input linear fusion (the 
 model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels; with lone products of
 K >= 4096 12 µs less GPU time a step), the grouped ``o_a_proj`` as one launch (4 µs a step at
 b = 8), the norm + RoPE fusion (docs/compile.md, "The norm + RoPE fusion pass") and, after it,
-the key's cache write folded into its norm + RoPE (one launch less a layer). Another list is
+the key's cache write folded into its norm + RoPE (one launch less a layer), and last the mutating
+ops called in place where Inductor would call them so (no launch saved: compile time). Another list is
 given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
@@ -28,6 +29,7 @@ from .fuse_norm_rope import FuseNormRopePass
 from .fuse_shared_input_linears import FuseSharedInputLinearsPass
 from .fuse_sinkhorn import FuseSinkhornPass
 from .fuse_step_metadata import FuseStepMetadataPass
+from .inplace_mutations import InplaceMutationsPass
 
 
 def default_passes(devices: Sequence[str] | None = None) -> list[DSV4InductorPass]:
@@ -36,7 +38,7 @@ def default_passes(devices: Sequence[str] | None = None) -> list[DSV4InductorPas
     graph as a CUDA one is, to test the rewrite or time its compile where there is no GPU."""
     on = {} if devices is None else {"devices": tuple(devices)}
     return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(**on), FuseGroupedLinearPass(**on),
-            FuseNormRopePass(**on), FuseKeyStorePass(**on)]
+            FuseNormRopePass(**on), FuseKeyStorePass(**on), InplaceMutationsPass(**on)]
 
 
 class DSV4PassManager(DSV4InductorPass):
