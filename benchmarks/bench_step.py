@@ -32,7 +32,9 @@ per step. ``--host`` adds, per graph way, the host's own µs per call with the G
 (``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so none waits for the device);
 for the whole-step-graph ways also the µs per call of calls issued back to back, against the
 same loop of bare ``replay()`` calls of the graph they replay: their difference is what the host
-adds to a stream of steps (the profiler's wall − busy also counts its own per-kernel overhead).
+adds to a stream of steps (the profiler's wall − busy also counts its own per-kernel overhead);
+and a call with the graph's own static inputs (``StepGraphs.static_inputs``: nothing copied),
+waited for and its host µs.
 """
 
 from __future__ import annotations
@@ -199,6 +201,11 @@ def run(args) -> list[dict]:
                     # the host's cost in a stream of steps: the calls against their captured graph alone
                     row[f"{way}_back_to_back_us"] = _back_to_back(fn, args.iters)
                     row[f"{way}_replay_us"] = _back_to_back(compiled[way].graphs.captured(x, step).replay, args.iters)
+                    # called with the graph's own static inputs: nothing copied
+                    static_x, static_step, _ = compiled[way].graphs.static_inputs(x, step)
+                    static_fn = lambda c=compiled[way]: c(static_x, static_step)  # noqa: E731
+                    row[f"{way}_static_us"] = _time(static_fn, args.iters)
+                    row[f"{way}_static_host_us"] = host_us_per_call(static_fn, args.iters)
                 if args.profile and way in GRAPH_WAYS:
                     prof = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
                     row[f"{way}_profile"] = prof
@@ -217,7 +224,8 @@ def run(args) -> list[dict]:
                     print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
                 if (replay := row.get(f"{way}_replay_us")) is not None:
                     print(f"    {way}: back to back {row[f'{way}_back_to_back_us']:.1f}us a call, its graph's "
-                          f"replays alone {replay:.1f}us", flush=True)
+                          f"replays alone {replay:.1f}us; with its static inputs {row[f'{way}_static_us']:.1f}us "
+                          f"a waited call, host {row[f'{way}_static_host_us']:.1f}us", flush=True)
             results.append(row)
         del stack, engine, compiled
         torch._dynamo.reset()

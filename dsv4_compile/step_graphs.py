@@ -7,7 +7,9 @@ bookkeeping (generation and liveness checks, one copy per input, output reconstr
 H200's host 160–350 µs a call for the 3-layer Flash stack (benchmarks/README.md, "Whole-step CUDA
 graphs"). A step whose result the caller waits for (a decode loop that reads its tokens) pays that
 time on top of the GPU's. Here a call is a dictionary look-up, one ``torch._foreach_copy_`` into
-the graph's static inputs and ``graph.replay()``: 20–35 µs.
+the graph's static inputs and ``graph.replay()``: 20–35 µs. A caller that writes its inputs into
+the static tensors themselves (:meth:`StepGraphs.static_inputs`), as a hand-written CUDA-graph loop
+does, is not copied at all: the call is the look-up and the replay.
 
 How: a call is keyed by its signature, the shapes and dtypes of ``x``, the step's four tensors and
 the extra inputs, and whether inference mode is on. The first call of a signature copies its inputs into static tensors of its own
@@ -25,6 +27,7 @@ share their pool) overwrites them, so clone what you keep.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,15 +49,16 @@ class _Signature:
     extra: tuple[torch.Tensor, ...]
     graph: torch.cuda.CUDAGraph | None = None
     outputs: Any = None
+    inputs: list[torch.Tensor] = field(init=False)  # every static tensor a call copies into
     bytes: list[torch.Tensor] = field(init=False)  # :attr:`inputs` viewed as uint8
 
     def __post_init__(self):
+        self.inputs = _flat_inputs(self.x, self.step, self.extra)
         self.bytes = [t.view(torch.uint8) for t in self.inputs]
 
-    @property
-    def inputs(self) -> list[torch.Tensor]:
-        """Every static tensor a call copies into."""
-        return _flat_inputs(self.x, self.step, self.extra)
+    def holds(self, inputs: list[torch.Tensor]) -> bool:
+        """Whether ``inputs`` are this signature's static tensors themselves (nothing to copy)."""
+        return all(map(operator.is_, inputs, self.inputs))
 
 
 def _flat_inputs(x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -116,7 +120,8 @@ class StepGraphs:
             outputs = self._on_side_stream(lambda: self.run(sig.x, sig.step, sig.extra))
             self.signatures[key] = sig
             return outputs
-        _copy_in(sig, inputs)
+        if not sig.holds(inputs):
+            _copy_in(sig, inputs)
         if sig.graph is None:
             try:
                 self._capture(sig)
@@ -125,6 +130,15 @@ class StepGraphs:
                 raise
         sig.graph.replay()
         return sig.outputs
+
+    def static_inputs(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...] = ()
+                      ) -> tuple[torch.Tensor, StepInputs, tuple[torch.Tensor, ...]] | None:
+        """The static ``(x, step, extra)`` of these inputs' signature once it has run (else None).
+        Write the next call's values into them in place (``copy_``, or an ``out=`` of the kernel
+        that makes them, on the caller's stream) and call with them: the call copies nothing.
+        Their shapes and dtypes are the signature's: do not resize them."""
+        sig = self.signatures.get(_key(_flat_inputs(x, step, extra)))
+        return (sig.x, sig.step, sig.extra) if sig is not None else None
 
     def captured(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...] = ()
                  ) -> torch.cuda.CUDAGraph | None:

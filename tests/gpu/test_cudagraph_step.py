@@ -181,6 +181,37 @@ def test_step_graphs_see_weights_updated_in_place_and_new_shapes():
 
 
 @torch.no_grad()
+def test_step_graphs_static_inputs_are_not_copied(monkeypatch):
+    """A call with its signature's static tensors (``graphs.static_inputs``), the next values
+    written into them in place, copies nothing and replays on those values: its output equals a
+    call with fresh tensors (copied in) and the eager step's, bit for bit."""
+    from dsv4_compile import step_graphs
+
+    eng, rec = make_engine(CFG, max_requests=4, max_seq_len=512, device=DEVICE, capture_layers=False)
+    rows = [eng.admit() for _ in range(2)]
+    rec.run(M.EXTEND, {r: 50 for r in rows})
+    step = eng.build_step(M.DECODE, {r: 1 for r in rows})
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    xs = [torch.randn(2, CFG.hidden_size, device=DEVICE, generator=gen).bfloat16() for _ in range(3)]
+    copies = []
+    monkeypatch.setattr(step_graphs, "_copy_in", lambda sig, inputs, copy=step_graphs._copy_in: (
+        copies.append(len(inputs)), copy(sig, inputs)))
+    with fresh_compile_state():
+        step_fn = compile_step(eng.stack, backend="eager", cuda_graphs="step")
+        assert step_fn.graphs.static_inputs(xs[0], step) is None  # no signature yet
+        step_fn(xs[0], step)
+        static_x, static_step, extra = step_fn.graphs.static_inputs(xs[0], step)
+        assert extra == () and torch.equal(static_x, xs[0])
+        for x in xs[1:]:
+            static_x.copy_(x)
+            got = step_fn(static_x, static_step).clone()
+            assert torch.equal(got, eng.stack(x, step))
+            assert torch.equal(got, step_fn(x.clone(), step))
+        assert step_fn.graphs.num_graphs == 1
+    assert copies == [5, 5]  # the fresh tensors' calls only: x and the step's four tensors
+
+
+@torch.no_grad()
 def test_serving_mix_with_reduce_overhead_under_default_config():
     """The serving mix of tests/compile/serving_mix.py (every mode, batch 1 and bucketed sizes,
     idle, a draft stack beside the target) through compile_step with CUDA graphs and torch's
