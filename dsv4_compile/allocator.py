@@ -23,15 +23,15 @@ pages.
 not fit leaves the allocator and the index maps exactly as they were.
 
 A step's allocations (:meth:`PageAllocator.extend_requests`) compute their index-map entries on
-the host and send all of them to the device as one tensor: on a GPU each small tensor built from
-a Python list is a transfer the host waits for, and one per map and request made the host the
-bottleneck of a decode loop (benchmarks/README.md, "The runner's host time").
+the host and send all of them to the device in one asynchronous copy, each vector in the dtype it
+is used in: on a GPU each small tensor built from a Python list is a transfer the host waits for,
+and one per map and request made the host the bottleneck of a decode loop (benchmarks/README.md,
+"The runner's host time").
 """
 
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -39,6 +39,7 @@ import torch
 
 from .cache import DSV4Cache
 from .config import PAGE_SIZE, SWA_WINDOW
+from .transfer import to_device
 from .validate import check_count
 
 
@@ -115,17 +116,15 @@ class PageAllocator:
         return slots
 
     def _write(self, writes: "_MapWrites") -> None:
-        """The entries of ``writes``, every map's positions and values sent to the device as one
-        int64 tensor."""
-        lists = [part for entry in writes.entries.values() for part in entry]
-        if not any(lists):
+        """The entries of ``writes``: every map's flat positions (int64) and values (int32, the
+        maps' dtype) sent to the device in one asynchronous copy (:func:`~dsv4_compile.transfer.to_device`)."""
+        maps = [(buffer, index, values) for buffer, (index, values) in writes.entries.items() if index]
+        if not maps:
             return
-        packed = torch.tensor(list(itertools.chain.from_iterable(lists)), dtype=torch.int64).to(self.cache.device)
-        at = 0
-        for buffer, (index, _) in writes.entries.items():
-            n = len(index)
-            self._set(buffer, packed[at:at + n], packed[at + n:at + 2 * n].to(buffer.dtype))
-            at += 2 * n
+        views = to_device(self.cache.device, int64=[index for _, index, _ in maps],
+                          int32=[values for _, _, values in maps])
+        for (buffer, _, _), index, values in zip(maps, views, views[len(maps):]):
+            self._set(buffer, index, values.to(buffer.dtype))
 
     def _extend(self, row: int, num_tokens: int, writes: "_MapWrites") -> list[int]:
         """:meth:`extend`, its index-map entries added to ``writes``; returns the full slots."""
