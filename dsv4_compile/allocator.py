@@ -245,10 +245,12 @@ class PageAllocator:
     def _set(self, buffer: torch.Tensor, index, value) -> None:
         """``buffer[index] = value`` on an index map, remembering the old values inside a
         transaction. A tensor ``index`` holds flat positions (``buffer`` is contiguous)."""
-        if isinstance(index, torch.Tensor):
+        gathered = isinstance(index, torch.Tensor)
+        if gathered:
             buffer = buffer.view(-1)
         if self._journal is not None:
-            self._journal.append((buffer, index, buffer[index].clone()))
+            old = buffer[index]  # a tensor index gathers a copy already; other indices give a view
+            self._journal.append((buffer, index, old if gathered else old.clone()))
         buffer[index] = value
 
     def _get(self, row: int) -> _Request:
