@@ -109,7 +109,7 @@ class PageAllocator:
         nothing; returns the full slots of all of them, concatenated, as ints. The index-map
         entries of every request go to the device in one transfer (a step's worth of small writes
         would otherwise each be a transfer that waits for the device)."""
-        writes = _MapWrites()
+        writes = _MapWrites(self.cache)
         with self.transaction():
             slots = [slot for row, n in tokens.items() for slot in self._extend(row, n, writes)]
             self._write(writes)
@@ -118,7 +118,8 @@ class PageAllocator:
     def _write(self, writes: "_MapWrites") -> None:
         """The entries of ``writes``: every map's flat positions (int64) and values (int32, the
         maps' dtype) sent to the device in one asynchronous copy (:func:`~dsv4_compile.transfer.to_device`)."""
-        maps = [(buffer, index, values) for buffer, (index, values) in writes.entries.items() if index]
+        maps = [(buffer, index, values) for buffer, index, values in zip(writes.buffers, writes.index, writes.values)
+                if index]
         if not maps:
             return
         views = to_device(self.cache.device, int64=[index for _, index, _ in maps],
@@ -137,11 +138,13 @@ class PageAllocator:
         first, last = req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE)
         need_full = max(0, last - len(req.full_pages))
         need_swa = sum(1 for i in range(first, last) if i not in req.swa_pages)
-        free_swa = len(self._free_swa) + len(self._dead_swa(req))  # dead pages lie before `first`
+        dead = self._dead_swa(req)  # they lie before `first`
+        free_swa = len(self._free_swa) + len(dead)
         if need_full > len(self._free_full) or need_swa > free_swa:
             raise OutOfPagesError(f"request {row}: num_tokens={num_tokens} needs {need_full} full and "
                                   f"{need_swa} SWA pages, {len(self._free_full)} and {free_swa} free")
-        self.evict_swa(row)
+        for i in dead:  # evict_swa's work, its pages found above
+            self._release_swa(req, i)
         for i in range(first, last):
             if i >= len(req.full_pages):
                 req.full_pages.append(self._free_full.pop())
@@ -155,15 +158,18 @@ class PageAllocator:
     def _map_entries(self, row: int, req: _Request, new_len: int, writes: "_MapWrites") -> list[int]:
         """Index map entries of positions ``req.seq_len .. new_len - 1`` (pages already assigned),
         added to ``writes``; returns their full slots."""
-        cache = self.cache
         positions = range(req.seq_len, new_len)
         full = [req.full_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions]
         swa = [req.swa_pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in positions]
-        token_row, page_row = row * cache.req_to_token.shape[1], row * cache.req_to_page.shape[1]
+        token_row, page_row = row * writes.tokens_per_row, row * writes.pages_per_row
         pages = range(req.seq_len // PAGE_SIZE, -(-new_len // PAGE_SIZE))
-        writes.add(cache.req_to_token, [token_row + p for p in positions], full)
-        writes.add(cache.req_to_page, [page_row + i for i in pages], [req.full_pages[i] for i in pages])
-        writes.add(cache.full_to_swa, full, swa)
+        (token_index, page_index, swa_index), (token_values, page_values, swa_values) = writes.index, writes.values
+        token_index += [token_row + p for p in positions]
+        token_values += full
+        page_index += [page_row + i for i in pages]
+        page_values += [req.full_pages[i] for i in pages]
+        swa_index += full
+        swa_values += swa
         return full
 
     def truncate(self, row: int, new_len: int) -> None:
@@ -269,13 +275,11 @@ class PageAllocator:
 
 
 class _MapWrites:
-    """Index-map entries to write, gathered on the host: per map, flat positions and their values."""
+    """Index-map entries to write, gathered on the host: for ``req_to_token``, ``req_to_page`` and
+    ``full_to_swa`` (``buffers``, read from the cache once a step), flat positions and their values."""
 
-    def __init__(self) -> None:
-        self.entries: dict[torch.Tensor, tuple[list[int], list[int]]] = {}
-
-    def add(self, buffer: torch.Tensor, index: list[int], values: list[int]) -> None:
-        index_list, value_list = self.entries.setdefault(buffer, ([], []))
-        index_list += index
-        value_list += values
-
+    def __init__(self, cache: DSV4Cache) -> None:
+        self.buffers = (cache.req_to_token, cache.req_to_page, cache.full_to_swa)
+        self.tokens_per_row, self.pages_per_row = self.buffers[0].shape[1], self.buffers[1].shape[1]
+        self.index: tuple[list[int], ...] = ([], [], [])
+        self.values: tuple[list[int], ...] = ([], [], [])
