@@ -68,7 +68,7 @@ class PageAllocator:
         self._free_swa = list(range(cache.num_swa_pages - 1, 0, -1))
         self._requests: dict[int, _Request] = {}
         self._max_rollback = cache.config.max_draft_tokens
-        self._journal: list[tuple[torch.Tensor, object, torch.Tensor]] | None = None  # see transaction
+        self._undo: _Undo | None = None  # the innermost open transaction's (see transaction)
 
     # -- queries -------------------------------------------------------------------------------
     def seq_len(self, row: int) -> int:
@@ -92,8 +92,9 @@ class PageAllocator:
         clean (nothing of the row's previous request, e.g. non-finite activations, carries over)."""
         if not self._free_rows:
             raise OutOfPagesError(f"all {self.cache.max_requests} request rows are in use")
-        row = self._free_rows.pop()
+        row = self._take(self._free_rows)
         self.cache.clear_request_state(row)
+        self._changing(row)
         self._requests[row] = _Request()
         return row
 
@@ -143,13 +144,14 @@ class PageAllocator:
         if need_full > len(self._free_full) or need_swa > free_swa:
             raise OutOfPagesError(f"request {row}: num_tokens={num_tokens} needs {need_full} full and "
                                   f"{need_swa} SWA pages, {len(self._free_full)} and {free_swa} free")
+        self._changing(row)
         for i in dead:  # evict_swa's work, its pages found above
             self._release_swa(req, i)
         for i in range(first, last):
             if i >= len(req.full_pages):
-                req.full_pages.append(self._free_full.pop())
+                req.full_pages.append(self._take(self._free_full))
             if i not in req.swa_pages:
-                req.swa_pages[i] = self._free_swa.pop()
+                req.swa_pages[i] = self._take(self._free_swa)
         full = self._map_entries(row, req, new_len, writes)
         req.seq_len = new_len
         req.high_water = max(req.high_water, new_len)
@@ -189,13 +191,14 @@ class PageAllocator:
                              f"tokens below its longest length {req.high_water}; at most "
                              f"max_draft_tokens={self._max_rollback} can be rolled back")
         keep = -(-new_len // PAGE_SIZE)
+        self._changing(row)
         dropped = self.cache.req_to_token[row, new_len:req.seq_len].long()
         self._set(self.cache.full_to_swa, dropped, 0)
         self._set(self.cache.req_to_token, (row, slice(new_len, req.seq_len)), 0)
         self._set(self.cache.req_to_page, (row, slice(keep, len(req.full_pages))), 0)
         for i in range(keep, len(req.full_pages)):
             self._release_swa(req, i)
-        self._free_full.extend(reversed(req.full_pages[keep:]))
+        self._give(self._free_full, req.full_pages[keep:][::-1])
         del req.full_pages[keep:]
         req.seq_len = new_len
 
@@ -203,6 +206,7 @@ class PageAllocator:
         """Free the SWA pages of ``row`` that no future query can attend to; returns how many."""
         req = self._get(row)
         dead = self._dead_swa(req)
+        self._changing(row)
         for i in dead:
             self._release_swa(req, i)
         return len(dead)
@@ -216,13 +220,14 @@ class PageAllocator:
         """Release every page and the row of a finished request; its index map rows read as
         "no page" (zeros) afterwards."""
         req = self._get(row)
+        self._changing(row)
         for i in list(req.swa_pages):
             self._release_swa(req, i)
-        self._free_full.extend(reversed(req.full_pages))
+        self._give(self._free_full, req.full_pages[::-1])
         self._set(self.cache.req_to_token, row, 0)
         self._set(self.cache.req_to_page, row, 0)
         del self._requests[row]
-        self._free_rows.append(row)
+        self._give(self._free_rows, [row])
 
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
@@ -230,22 +235,22 @@ class PageAllocator:
         rows, pages, lengths and each index map entry (``req_to_token``, ``req_to_page``,
         ``full_to_swa``) return to their state at entry, byte for byte — and the error propagates.
         Blocks nest. (The compressor rings a rolled-back :meth:`admit` cleared stay cleared: they
-        belong to a free row.)"""
-        saved = ({row: req.copy() for row, req in self._requests.items()}, self._free_rows[:],
-                 self._free_full[:], self._free_swa[:])
-        outer, self._journal = self._journal, []
+        belong to a free row.)
+
+        Entering costs nothing per request or page: each change inside records how to undo itself
+        (a request's state before its first change, a page or row taken from or given back to a
+        free list, a map entry's old value)."""
+        outer, self._undo = self._undo, _Undo()
         try:
             yield
         except BaseException:
-            for buffer, index, old in reversed(self._journal):
-                buffer[index] = old
-            self._requests, self._free_rows, self._free_full, self._free_swa = saved
+            self._undo.revert(self)
             raise
         else:
             if outer is not None:
-                outer.extend(self._journal)
+                outer.absorb(self._undo)
         finally:
-            self._journal = outer
+            self._undo = outer
 
     # -- internals -----------------------------------------------------------------------------
     def _set(self, buffer: torch.Tensor, index, value) -> None:
@@ -254,10 +259,30 @@ class PageAllocator:
         gathered = isinstance(index, torch.Tensor)
         if gathered:
             buffer = buffer.view(-1)
-        if self._journal is not None:
+        if self._undo is not None:
             old = buffer[index]  # a tensor index gathers a copy already; other indices give a view
-            self._journal.append((buffer, index, old if gathered else old.clone()))
+            self._undo.maps.append((buffer, index, old if gathered else old.clone()))
         buffer[index] = value
+
+    def _changing(self, row: int) -> None:
+        """Inside a transaction, remember request ``row`` as it is (or that it is absent) before its
+        first change there."""
+        if self._undo is not None and row not in self._undo.requests:
+            req = self._requests.get(row)
+            self._undo.requests[row] = req.copy() if req is not None else None
+
+    def _take(self, free: list[int]) -> int:
+        """The last entry of free list ``free``, removed (put back if the transaction fails)."""
+        value = free.pop()
+        if self._undo is not None:
+            self._undo.free_lists.append((free, value, 0))
+        return value
+
+    def _give(self, free: list[int], values: list[int]) -> None:
+        """``values`` appended to free list ``free`` (taken off again if the transaction fails)."""
+        free += values
+        if self._undo is not None and values:
+            self._undo.free_lists.append((free, None, len(values)))
 
     def _get(self, row: int) -> _Request:
         try:
@@ -271,7 +296,7 @@ class PageAllocator:
             return
         full_page = req.full_pages[i]
         self._set(self.cache.full_to_swa, slice(full_page * PAGE_SIZE, (full_page + 1) * PAGE_SIZE), 0)
-        self._free_swa.append(page)
+        self._give(self._free_swa, [page])
 
 
 class _MapWrites:
@@ -283,3 +308,35 @@ class _MapWrites:
         self.tokens_per_row, self.pages_per_row = self.buffers[0].shape[1], self.buffers[1].shape[1]
         self.index: tuple[list[int], ...] = ([], [], [])
         self.values: tuple[list[int], ...] = ([], [], [])
+
+
+@dataclass
+class _Undo:
+    """What one open transaction changed, to undo it: each map write's old values, each free-list
+    change in order (``(list, value, 0)``: ``value`` taken off; ``(list, None, n)``: n values
+    appended), and each changed request as it was before (None: it did not exist)."""
+
+    maps: list[tuple[torch.Tensor, object, torch.Tensor]] = field(default_factory=list)
+    free_lists: list[tuple[list[int], int | None, int]] = field(default_factory=list)
+    requests: dict[int, _Request | None] = field(default_factory=dict)
+
+    def revert(self, allocator: PageAllocator) -> None:
+        for buffer, index, old in reversed(self.maps):
+            buffer[index] = old
+        for free, taken, appended in reversed(self.free_lists):
+            if taken is None:
+                del free[len(free) - appended:]
+            else:
+                free.append(taken)
+        for row, req in self.requests.items():
+            if req is None:
+                allocator._requests.pop(row, None)
+            else:
+                allocator._requests[row] = req
+
+    def absorb(self, inner: "_Undo") -> None:
+        """An inner transaction's changes, now this one's (the older state of a request wins)."""
+        self.maps += inner.maps
+        self.free_lists += inner.free_lists
+        for row, req in inner.requests.items():
+            self.requests.setdefault(row, req)

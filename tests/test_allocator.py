@@ -251,3 +251,37 @@ def test_transactions_nest():
             raise RuntimeError("outer")
     assert_unchanged(outer_before, cache, "a rolled-back outer transaction")
     assert alloc.seq_len(a) == 10
+
+
+def _every_change(alloc: PageAllocator, a: int, b: int) -> None:
+    """Each kind of change a transaction can undo: a row admitted and one freed, pages taken and
+    given back, SWA pages evicted, positions truncated."""
+    c = alloc.admit()
+    alloc.extend(c, 300)
+    alloc.extend(a, 200)  # evicts a's dead SWA page first
+    alloc.truncate(a, alloc.seq_len(a) - 2)
+    alloc.free(b)
+    alloc.extend(c, 5)
+    alloc.evict_swa(c)
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_every_change_is_undone(nested):
+    """Whatever a failed transaction did (directly, or in an inner transaction that succeeded),
+    requests, free rows and pages in their hand-out order and the index maps are as they were."""
+    engine, a, b = _engine_with_evictable_page(num_full_pages=12, num_swa_pages=10)
+    alloc, cache = engine.allocator, engine.stack.cache
+    alloc.extend(b, 30)
+    before, state = snapshot(cache), allocator_state(alloc)
+    with pytest.raises(RuntimeError, match="undo"):
+        with alloc.transaction():
+            if nested:
+                with alloc.transaction():
+                    _every_change(alloc, a, b)
+            else:
+                _every_change(alloc, a, b)
+            assert allocator_state(alloc) != state
+            raise RuntimeError("undo")
+    assert_unchanged(before, cache, "a rolled-back transaction")
+    assert allocator_state(alloc) == state
+    _every_change(alloc, a, b)  # the same changes still apply
