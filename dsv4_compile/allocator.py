@@ -126,7 +126,7 @@ class PageAllocator:
         views = to_device(self.cache.device, int64=[index for _, index, _ in maps],
                           int32=[values for _, _, values in maps])
         for (buffer, _, _), index, values in zip(maps, views, views[len(maps):]):
-            self._set(buffer, index, values.to(buffer.dtype))
+            self._set(buffer, index, values)
 
     def _extend(self, row: int, num_tokens: int, writes: "_MapWrites") -> list[int]:
         """:meth:`extend`, its index-map entries added to ``writes``; returns the full slots."""

@@ -137,14 +137,17 @@ class StepGraphs:
         Write the next call's values into them in place (``copy_``, or an ``out=`` of the kernel
         that makes them, on the caller's stream) and call with them: the call copies nothing.
         Their shapes and dtypes are the signature's: do not resize them."""
-        sig = self.signatures.get(_key(_flat_inputs(x, step, extra)))
+        sig = self._signature_of(x, step, extra)
         return (sig.x, sig.step, sig.extra) if sig is not None else None
 
     def captured(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...] = ()
                  ) -> torch.cuda.CUDAGraph | None:
         """The graph calls with these inputs' signature replay, once captured (else None)."""
-        sig = self.signatures.get(_key(_flat_inputs(x, step, extra)))
+        sig = self._signature_of(x, step, extra)
         return sig.graph if sig is not None else None
+
+    def _signature_of(self, x: torch.Tensor, step: StepInputs, extra: tuple[torch.Tensor, ...]) -> _Signature | None:
+        return self.signatures.get(_key(_flat_inputs(x, step, extra)))
 
     @property
     def num_graphs(self) -> int:

@@ -18,8 +18,6 @@ left to Inductor.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
-
 import torch
 
 from .base import OnDevicesPass
@@ -31,9 +29,6 @@ _VIEW_KEYS = ("alias", "storage_offset", "size", "stride", "slice_dim")
 
 
 class InplaceMutationsPass(OnDevicesPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",)) -> None:
-        super().__init__(devices)
-
     def apply(self, graph: torch.fx.Graph) -> int:
         order = {node: i for i, node in enumerate(graph.nodes)}
         matches = 0
@@ -84,6 +79,7 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, op: torch._ops.OpOverlo
     schema = op._schema
     args = tuple(op_kwargs[a.name] if a.name in op_kwargs else a.default_value for a in schema.arguments)
     results = len(schema.returns)
+    first_base = max(results, 1)  # the output index of the first new base
     with graph.inserting_before(node):
         call = graph.call_function(op, args)
     val = node.meta.get("val")
@@ -93,8 +89,8 @@ def _rewrite(graph: torch.fx.Graph, node: torch.fx.Node, op: torch._ops.OpOverlo
         if user.target is not operator.getitem:
             raise AssertionError(f"auto_functionalized_v2 output read by {user.format_node()}")
         i = user.args[1]
-        if i >= max(results, 1):
-            user.replace_all_uses_with(bases[i - max(results, 1)])
+        if i >= first_base:
+            user.replace_all_uses_with(bases[i - first_base])
         elif results == 1:
             user.replace_all_uses_with(call)
         else:
