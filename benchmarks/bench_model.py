@@ -102,7 +102,7 @@ Measured:
     bandwidth  weight bytes a decode step reads / its time (gpt-fast style): every parameter except
                the embedding table (b rows of it are read), and of each MoE layer's routed experts
                the expected number a batch of b uniformly routed tokens reaches; the floors divide
-               all parameter bytes, and the bytes read, by ``--hbm-tbps``
+               all parameter bytes, and the bytes read, by ``--hbm-tbps`` (the GPU's peak unless given)
     --host     per compiled way and decode batch: the host's own µs per step with the GPU kept busy
                (``testing.bench.host_us_per_call``), and the µs per step of a loop that reads each
                step's next tokens on the host before it issues the next step (as a generation loop
@@ -134,8 +134,8 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, header, host_us_per_call,
-                                        learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
+from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, hbm_tbps_argument, header,
+                                        host_us_per_call, learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
                                         normalise_after_sum, posted_max_tokens, profile_steps,
                                         sinkhorn_in_registers, unrope_in_product, wall_call, weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
@@ -210,7 +210,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="profile the compiled decode steps: GPU busy time, host overhead, kernels per step")
     p.add_argument("--host", action="store_true",
                    help="compiled decode: host µs per step (GPU kept busy) and µs per step read back on the host")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
+    hbm_tbps_argument(p)
     p.add_argument("--out", help="write the results as JSON; rewritten after each way, \"finished\" false until "
                                  "the run ends")
     p.add_argument("--plot", help="write a PNG of the results")

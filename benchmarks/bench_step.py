@@ -21,20 +21,20 @@ Ways (the same stack, cache and step tensors):
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
 Requests are admitted to a :class:`dsv4_compile.engine.Engine` and each holds ``context`` tokens
-(pages allocated through the engine's PageAllocator, cache pages filled with valid FP8 entries);
-the timed step, built by the engine and then rolled back so the context stays fixed, decodes one
-token per request. Time per step is the median over CUDA-event-timed iterations (inputs copied in
-for manual-graph; the compiled function copies its own). The weight floor is the stack's parameter
-bytes at ``--hbm-tbps``; "TB/s" those bytes over the step time. ``--profile`` adds, per graph way,
-``torch.profiler`` figures over ``--iters`` back-to-back steps: wall µs per step, GPU busy µs (summed
-kernel times), host overhead (their difference: the time the GPU waits for the host) and kernels
-per step. ``--host`` adds, per graph way, the host's own µs per call with the GPU kept busy
-(``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so none waits for the device);
-for the whole-step-graph ways also the µs per call of calls issued back to back, against the
-same loop of bare ``replay()`` calls of the graph they replay: their difference is what the host
-adds to a stream of steps (the profiler's wall − busy also counts its own per-kernel overhead);
-and a call with the graph's own static inputs (``StepGraphs.static_inputs``: nothing copied),
-waited for and its host µs.
+(pages allocated through the engine's PageAllocator, cache pages filled with valid FP8 entries); the
+timed step, built by the engine and then rolled back so the context stays fixed, decodes one token
+per request. Time per step is the median over CUDA-event-timed iterations (inputs copied in for
+manual-graph; the compiled function copies its own). The weight floor is the stack's parameter bytes
+at ``--hbm-tbps`` (the GPU's peak unless given); "TB/s" those bytes over the step time.
+``--profile`` adds, per graph way, ``torch.profiler`` figures over ``--iters`` back-to-back steps:
+wall µs per step, GPU busy µs (summed kernel times), host overhead (their difference: the time the
+GPU waits for the host) and kernels per step. ``--host`` adds, per graph way, the host's own µs per
+call with the GPU kept busy (``testing.bench.host_us_per_call``: calls queued behind a GPU sleep, so
+none waits for the device); for the whole-step-graph ways also the µs per call of calls issued back
+to back, against the same loop of bare ``replay()`` calls of the graph they replay: their difference
+is what the host adds to a stream of steps (the profiler's wall − busy also counts its own
+per-kernel overhead); and a call with the graph's own static inputs (``StepGraphs.static_inputs``:
+nothing copied), waited for and its host µs.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardM
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
-from dsv4_compile.testing.bench import header, host_us_per_call, profile_steps
+from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call,
+                                        profile_steps)
 
 GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl", "manual-graph")  # --profile / --host
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl")  # --host: also back to back, and the graph alone
@@ -65,7 +66,7 @@ def parse_args():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--profile", action="store_true", help="also profile each graph way (wall, GPU busy, kernels)")
     p.add_argument("--host", action="store_true", help="also each graph way's host µs a call, the GPU kept busy")
-    p.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth of the floor (H200: 4.8)")
+    hbm_tbps_argument(p)
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="plot a saved JSON instead of running")
     p.add_argument("--png", default="bench_step.png")

@@ -10,6 +10,9 @@ reported, so graph-launch overhead is amortised as inside a full-step graph.
 Profiling (:func:`profile_steps`): where a step's time goes — wall time, GPU busy time and kernel
 launches per step, and the kernels that take most of it.
 
+Weight floors (:func:`peak_hbm_tbps`): the HBM bandwidth a step's weight bytes are divided by, the
+benchmarking GPU's own.
+
 Wall time (:func:`wall_call`): a call's wall seconds with the device work it queued.
 
 Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
@@ -218,6 +221,30 @@ def compress_kv_bytes(args: dict[str, Any]) -> int:
     windows = int((args["seq_lens_causal"] % ratio == 0).sum())
     read = 2 * args["kv"].element_size() * wc
     return rows * (read + 8 * wc + 2 * d + 16) + windows * window_slots(ratio) * 8 * d
+
+
+# Peak HBM bandwidth in TB/s by a substring of ``torch.cuda.get_device_name``, most specific first
+# (an H100 SXM and an H100 NVL both have HBM3, at different clocks and widths).
+PEAK_HBM_TBPS = {"H200": 4.8, "H100 NVL": 3.9, "H100 PCIe": 2.0, "H100": 3.35}
+DEFAULT_HBM_TBPS = PEAK_HBM_TBPS["H200"]
+
+
+def peak_hbm_tbps(device_name: str | None) -> float:
+    """The peak HBM bandwidth (TB/s) of the GPU named ``device_name``; the H200's for no GPU or one
+    not in :data:`PEAK_HBM_TBPS` (pass the figure explicitly for those)."""
+    for key, tbps in PEAK_HBM_TBPS.items():
+        if device_name and key in device_name:
+            return tbps
+    return DEFAULT_HBM_TBPS
+
+
+def hbm_tbps_argument(parser: argparse.ArgumentParser) -> None:
+    """Add ``--hbm-tbps``, the bandwidth a weight floor divides by: the benchmarking GPU's peak unless
+    given (:func:`peak_hbm_tbps`)."""
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    parser.add_argument("--hbm-tbps", type=float, default=peak_hbm_tbps(name),
+                        help=f"HBM bandwidth of the weight floor in TB/s (default: this GPU's peak, "
+                             f"{peak_hbm_tbps(name)}; known: {PEAK_HBM_TBPS})")
 
 
 def header(device: str, args: argparse.Namespace) -> dict[str, Any]:
