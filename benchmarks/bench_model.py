@@ -70,15 +70,8 @@ orders or in separate processes):
     compiled_step_graphs_router_op  whole-step graphs with each learned router run as
                    ``dsv4::router_topk`` (``hf_experts.LEARNED_ROUTER_OP`` on), not as transformers'
                    gate; not in the default ``--ways``
-    compiled_step_graphs_sinkhorn_in_registers  whole-step graphs with each hyper-connection's
-                   Sinkhorn steps on values every thread holds
-                   (``hyper_connection.SINKHORN_IN_REGISTERS`` on); not in the default ``--ways``
-    compiled_step_graphs_unrope_in_product  whole-step graphs with each attention output's inverse
-                   RoPE inside its grouped ``o_a_proj`` launch (``linear.UNROPE_IN_PRODUCT`` on); not
-                   in the default ``--ways``
-    compiled_step_graphs_switches_on  whole-step graphs with the four switches above on at once
-                   (Sinkhorn in registers, the learned-router op, normalising after the sum, the inverse
-                   RoPE in the product); not in the default ``--ways``
+    compiled_step_graphs_switches_on  whole-step graphs with the two switches above on at once
+                   (normalising after the sum, the learned-router op); not in the default ``--ways``
     compiled_step_graphs_norm_apart  whole-step graphs with each block's input norm and the final norm
                    run as the norm module on the output of the mHC op of its collapse, not inside that op
                    (``hf_hyper_connection.NORM_IN_OP`` off); not in the default ``--ways``
@@ -136,8 +129,8 @@ from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, hbm_tbps_argument, header,
                                         host_us_per_call, learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
-                                        normalise_after_sum, posted_max_tokens, profile_steps,
-                                        sinkhorn_in_registers, unrope_in_product, wall_call, weight_prefetch)
+                                        normalise_after_sum, posted_max_tokens, profile_steps, wall_call,
+                                        weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -165,7 +158,6 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
         "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
-        "compiled_step_graphs_sinkhorn_in_registers", "compiled_step_graphs_unrope_in_product",
         "compiled_step_graphs_switches_on",
         "compiled_step_graphs_norm_apart")
 DEFAULT_WAYS = WAYS[:3]
@@ -597,10 +589,7 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_hash_router_apart": (lambda: hash_router_in_op(False), _step_graphs),
     "compiled_step_graphs_normalise_after_sum": (lambda: normalise_after_sum(True), _step_graphs),
     "compiled_step_graphs_router_op": (lambda: learned_router_op(True), _step_graphs),
-    "compiled_step_graphs_sinkhorn_in_registers": (lambda: sinkhorn_in_registers(True), _step_graphs),
-    "compiled_step_graphs_unrope_in_product": (lambda: unrope_in_product(True), _step_graphs),
-    "compiled_step_graphs_switches_on": (lambda: _entered(sinkhorn_in_registers(True), learned_router_op(True),
-                                                          normalise_after_sum(True), unrope_in_product(True)),
+    "compiled_step_graphs_switches_on": (lambda: _entered(normalise_after_sum(True), learned_router_op(True)),
                                          _step_graphs),
     "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},

@@ -88,15 +88,12 @@ def _grouped_linear_fake(x, w, positions=None, inv_freq=None, head_dim=0):
 
 
 def _grouped_linear_cuda(x, w, positions=None, inv_freq=None, head_dim=0):
-    in_kernel = x.shape[0] <= kernels.MAX_ROWS and x.dtype in DTYPES
-    if positions is not None and not (in_kernel and kernels.UNROPE_IN_PRODUCT):
-        # the inverse RoPE's own kernel first
+    if positions is not None:  # the inverse RoPE's kernel, then the product
         x = rope_kernels.launch_rope_tail(_heads(x, head_dim), positions.unsqueeze(1), inv_freq,
                                           inverse=True).view(x.shape)
-        positions = inv_freq = None
-    if not in_kernel:
+    if x.shape[0] > kernels.MAX_ROWS or x.dtype not in DTYPES:
         return grouped_linear_reference(x, w)
-    return kernels.launch_grouped_linear(x, w, positions=positions, inv_freq=inv_freq, head_dim=head_dim)
+    return kernels.launch_grouped_linear(x, w)
 
 
 def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -126,6 +123,6 @@ def grouped_linear(x: torch.Tensor, w: torch.Tensor, positions: torch.Tensor | N
     back first: each group's K features are ``K / head_dim`` heads, and the last R features of each
     head get the inverse RoPE at their row's position, rounded to x's dtype, as
     ``dsv4::rope_tail(x.view(M, -1, head_dim), positions[:, None], inv_freq, inverse=True)`` (an
-    attention output before its ``o_a_proj``). On CUDA up to 16 rows that can be inside the product's
-    launch (``ops.kernels.linear.UNROPE_IN_PRODUCT``), which reads each rotated pair of x twice."""
+    attention output before its ``o_a_proj``); on CUDA that op's kernel, then the product's. Rotating
+    inside the product's K loop was measured 2.6x slower on the product (docs/perf-log.md)."""
     return grouped_linear_reference(x, w, positions, inv_freq, head_dim)

@@ -295,30 +295,12 @@ def posted_max_tokens(limit: int):
     return _kernel_setting(hyper_connection, "POSTED_MAX_TOKENS", limit)
 
 
-def sinkhorn_in_registers(enabled: bool):
-    """While entered, ``dsv4::hc_pre``'s finishing kernel runs a 4 x 4 comb's Sinkhorn steps on
-    values every thread holds (``ops.kernels.hyper_connection.SINKHORN_IN_REGISTERS``) or on the
-    tile its warp shares."""
-    from ..ops.kernels import hyper_connection
-
-    return _kernel_setting(hyper_connection, "SINKHORN_IN_REGISTERS", enabled)
-
-
 def weight_prefetch(enabled: bool):
     """While entered, ``dsv4::linears`` / ``dsv4::grouped_linear`` launch with PDL and their weight
     prefetch (``ops.kernels.linear.WEIGHT_PREFETCH``) or without."""
     from ..ops.kernels import linear
 
     return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)
-
-
-def unrope_in_product(enabled: bool):
-    """While entered, ``dsv4::grouped_linear`` with positions rotates the attention output's heads
-    back inside its product's launch (``ops.kernels.linear.UNROPE_IN_PRODUCT``) or in the inverse
-    RoPE's launch before it."""
-    from ..ops.kernels import linear
-
-    return _kernel_setting(linear, "UNROPE_IN_PRODUCT", enabled)
 
 
 def linears_split_k(rows: int):

@@ -69,11 +69,6 @@ _BLOCK_D = 512  # streams' columns per collapse / hc_post program
 # 14.7 / 11.6 at 8 (each program then gathers the four old streams of several tokens per K block).
 # Measured with the projection split over K = N D; not re-measured since it splits the D columns.
 POSTED_MAX_TOKENS = 4
-# True: hc_pre's Sinkhorn steps of a 4 x 4 comb (hc_mult 4, the released models') run on 16 values
-# every thread holds, each row / column scaled by one IEEE reciprocal of its sum: no reduction
-# crosses threads. The tile's 38 dependent normalisations (~2.3 µs a call on the H200) are mostly
-# shuffle latency; 16 divisions a thread would take longer. Benchmarks compare the two.
-SINKHORN_IN_REGISTERS = False
 
 
 @triton.jit
@@ -91,48 +86,6 @@ def _sinkhorn_tile(x, iters, eps, mask):
         x = _normalise(x, tl.sum(x, axis=2, keep_dims=True), eps, mask)
         x = _normalise(x, tl.sum(x, axis=1, keep_dims=True), eps, mask)
     return x
-
-
-@triton.jit
-def _scaled4(a, b, c, d, eps):
-    """``(a, b, c, d) / (a + b + c + d + eps)`` as four products with one IEEE reciprocal of the sum."""
-    r = tl.math.div_rn(1.0, a + b + c + d + eps)
-    return a * r, b * r, c * r, d * r
-
-
-@triton.jit
-def _sinkhorn4_in_place(ptr, iters, eps):
-    """``_sinkhorn_tile``'s steps on the 4 x 4 fp32 matrix at ``ptr`` (row-major), in place, its 16
-    values in every thread's registers: column sums, then ``iters - 1`` (row, column) pairs."""
-    m00, m01, m02, m03 = tl.load(ptr), tl.load(ptr + 1), tl.load(ptr + 2), tl.load(ptr + 3)
-    m10, m11, m12, m13 = tl.load(ptr + 4), tl.load(ptr + 5), tl.load(ptr + 6), tl.load(ptr + 7)
-    m20, m21, m22, m23 = tl.load(ptr + 8), tl.load(ptr + 9), tl.load(ptr + 10), tl.load(ptr + 11)
-    m30, m31, m32, m33 = tl.load(ptr + 12), tl.load(ptr + 13), tl.load(ptr + 14), tl.load(ptr + 15)
-    m00, m10, m20, m30 = _scaled4(m00, m10, m20, m30, eps)
-    m01, m11, m21, m31 = _scaled4(m01, m11, m21, m31, eps)
-    m02, m12, m22, m32 = _scaled4(m02, m12, m22, m32, eps)
-    m03, m13, m23, m33 = _scaled4(m03, m13, m23, m33, eps)
-    for _ in range(iters - 1):
-        m00, m01, m02, m03 = _scaled4(m00, m01, m02, m03, eps)
-        m10, m11, m12, m13 = _scaled4(m10, m11, m12, m13, eps)
-        m20, m21, m22, m23 = _scaled4(m20, m21, m22, m23, eps)
-        m30, m31, m32, m33 = _scaled4(m30, m31, m32, m33, eps)
-        m00, m10, m20, m30 = _scaled4(m00, m10, m20, m30, eps)
-        m01, m11, m21, m31 = _scaled4(m01, m11, m21, m31, eps)
-        m02, m12, m22, m32 = _scaled4(m02, m12, m22, m32, eps)
-        m03, m13, m23, m33 = _scaled4(m03, m13, m23, m33, eps)
-    _store4(ptr, m00, m01, m02, m03)
-    _store4(ptr + 4, m10, m11, m12, m13)
-    _store4(ptr + 8, m20, m21, m22, m23)
-    _store4(ptr + 12, m30, m31, m32, m33)
-
-
-@triton.jit
-def _store4(ptr, a, b, c, d):
-    tl.store(ptr, a)
-    tl.store(ptr + 1, b)
-    tl.store(ptr + 2, c)
-    tl.store(ptr + 3, d)
 
 
 @triton.jit
@@ -262,16 +215,14 @@ def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                        norm_weight_ptr, gram_ptr, T, D, SPLIT, inv_k, iters, hc_eps, norm_eps, out_norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
-                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr,
-                       REGISTER_SINKHORN: tl.constexpr):
+                       BLOCK_D: tl.constexpr, HEAD: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
     """Token ``t = pid(0)``: the partials of its ``SPLIT`` splits summed and scaled by the RMS
     factor; part ``pid(1)`` 0 (not for ``HEAD``) writes ``post [T, N]`` and ``comb [T, N, N]``, every
     other part ``BLOCK_D`` columns of ``out [T, D]``. ``NORM``: ``out`` RMS-normalised with
     ``norm_weight [D]``, its sum of squares the quadratic form of the streams' Gram matrix (the
     ``gram`` partials) in the collapse weights: each program knows it without waiting for the
     others. ``PDL``: the kernel after it (launched with PDL, waiting for this grid before it reads)
-    may launch at once, its set-up and weight prefetch overlapping this kernel. ``REGISTER_SINKHORN``
-    (N = 4): :data:`SINKHORN_IN_REGISTERS`."""
+    may launch at once, its set-up and weight prefetch overlapping this kernel."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
@@ -302,14 +253,11 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
             # of _sinkhorn_kernel (3.5 µs a matrix on the H200): run in the layout of the
             # partials' sum (one of its slices), this kernel took 19 µs a call.
             tl.debug_barrier()
-            if REGISTER_SINKHORN:
-                _sinkhorn4_in_place(comb_ptr + t * (N * N), iters, hc_eps)
-            else:
-                row, col = n[None, :, None], n[None, None, :]
-                tile_ok = (row < N) & (col < N)
-                tile = comb_ptr + t * (N * N) + row * N + col
-                comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
-                tl.store(tile, comb, mask=tile_ok)
+            row, col = n[None, :, None], n[None, None, :]
+            tile_ok = (row < N) & (col < N)
+            tile = comb_ptr + t * (N * N) + row * N + col
+            comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
+            tl.store(tile, comb, mask=tile_ok)
     d_part = part if HEAD else part - 1
     if d_part >= 0:
         pre_mix = _summed_mixes(dots_ptr, rows, 0, n, s_ok, n_ok) * r
@@ -383,8 +331,7 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
                                             norm_weight.contiguous() if normed else sq, gram,
                                             tokens, d, split, 1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n,
                                             NP=np2, MP=mp, SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D,
-                                            HEAD=head, NORM=normed, PDL=has_pdl(x.device),
-                                            REGISTER_SINKHORN=SINKHORN_IN_REGISTERS and n == 4, num_warps=1)
+                                            HEAD=head, NORM=normed, PDL=has_pdl(x.device), num_warps=1)
     if head:
         return out
     return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)

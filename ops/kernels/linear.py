@@ -34,7 +34,6 @@ import triton
 import triton.language as tl
 
 from .host import has_pdl, num_sms
-from .norm_rope import rope_cos_sin, rotated_by
 from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
 
 MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
@@ -68,10 +67,6 @@ SPLIT_K_CONFIG = (64, 128, 4, 4)
 PREFETCH_BYTES = 32768
 WEIGHT_PREFETCH = True
 _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each
-# dsv4::grouped_linear with positions: the kernel rotates x's heads back inside its K loop (the
-# blocks holding a head's RoPE tail re-read each pair's other value), saving the inverse RoPE's
-# launch of its own; off: that launch, then the product
-UNROPE_IN_PRODUCT = False
 
 
 def default_config(k: int, rows: int = 0) -> tuple[TileConfig, bool]:
@@ -131,9 +126,8 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
 
 
 @triton.jit
-def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first, pos_ptr, freq_ptr,
-                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr,
-                  HEAD_DIM: tl.constexpr = 0, ROPE_HALF: tl.constexpr = 0):
+def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first,
+                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
     """``x[:, ks] @ w_rows[:, ks].T`` for ``ks = [k_start, min(k_start + k_span, K))`` as an fp32
     ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the pointers to the program's weight rows
     (``row_ok`` masks those past the weight), streamed along K once; x (unit stride along K,
@@ -141,52 +135,21 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_firs
     (not the range's end): Triton knows K's divisibility and keeps them vectorised.
     ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns of the
     range are requested into the L2 (masked lanes ask for ``w_first``, the weight's first element),
-    then the program waits for its predecessor and triggers its dependents.
-    ``ROPE_HALF > 0``: x is rotated back first (:func:`_unroped`) at ``pos [M]`` by ``freq
-    [ROPE_HALF]`` fp32 in the last ``2 ROPE_HALF`` of every ``HEAD_DIM`` columns (``K % HEAD_DIM
-    == 0``, ``k_start`` a multiple of HEAD_DIM)."""
+    then the program waits for its predecessor and triggers its dependents."""
     if PREFETCH_K > 0:
         lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
         prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
     dependent_launch(PREFETCH_K > 0)
     m = tl.arange(0, M_PAD)
     m_ok = m < M
-    cos, sin = 0.0, 0.0
-    if ROPE_HALF > 0:  # [M_PAD, ROPE_HALF]: the positions are written by earlier kernels, read after the wait
-        cos, sin = rope_cos_sin(tl.load(pos_ptr + m, mask=m_ok, other=0)[:, None],
-                                tl.load(freq_ptr + tl.arange(0, ROPE_HALF))[None, :], True)
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        if ROPE_HALF > 0:
-            if k0 % HEAD_DIM + BLOCK_K > HEAD_DIM - 2 * ROPE_HALF:  # the block holds rotated columns
-                x = _unroped(x, x_ptr, stride_x, m, m_ok, ks, k_ok, cos, sin, M_PAD, BLOCK_K, HEAD_DIM, ROPE_HALF)
         wt = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(wt), acc)
     return acc
-
-
-@triton.jit
-def _unroped(x, x_ptr, stride_x, m, m_ok, ks, k_ok, cos, sin, M_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
-             HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
-    """The block ``x [M_PAD, BLOCK_K]`` (columns ``ks``) with its columns in the last ``2 ROPE_HALF``
-    of a ``HEAD_DIM`` segment rotated back in pairs ``(2i, 2i + 1)`` by ``(cos, sin) [M_PAD,
-    ROPE_HALF]`` (the inverse angles of each row), each pair's other value re-read from x; as
-    ``dsv4::rope_tail(..., inverse=True)`` computes it, rounded once to x's dtype."""
-    d = ks % HEAD_DIM - (HEAD_DIM - 2 * ROPE_HALF)  # column within the rotated tail (< 0: not in it)
-    rotated = (d >= 0) & k_ok
-    d = tl.where(rotated, d, 0)
-    second = d % 2 == 1  # the pair's second value: its other value is the column before
-    other = tl.load(x_ptr + m[:, None] * stride_x + tl.where(second, ks - 1, ks + 1)[None, :],
-                    mask=m_ok[:, None] & rotated[None, :], other=0.0).to(tl.float32)
-    odd = second[None, :]
-    pair = tl.broadcast_to((d // 2)[None, :], (M_PAD, BLOCK_K))
-    own = x.to(tl.float32)
-    r0, r1 = rotated_by(tl.where(odd, other, own), tl.where(odd, own, other),
-                        tl.gather(cos, pair, axis=1), tl.gather(sin, pair, axis=1), x.dtype)
-    return tl.where(rotated[None, :], tl.where(odd, r1, r0), x)
 
 
 @triton.jit
@@ -232,8 +195,7 @@ def _linears_kernel(x_ptr, M, K, stride_x, part_ptr, counters_ptr, tiles, split,
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     acc = _rows_product(x_ptr, stride_x, M, K, tl.program_id(1) * k_per_split, k_per_split,
-                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, x_ptr, x_ptr, M_PAD, BLOCK_N, BLOCK_K,
-                        PREFETCH_K)
+                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K)
     m = tl.arange(0, M_PAD)
     out = out_ptr + m[:, None] * n + rows[None, :]
     out_ok = (m < M)[:, None] & row_ok[None, :]
@@ -287,33 +249,27 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
 
 
 @triton.jit
-def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, pos_ptr, freq_ptr, M, G, K, N, stride_xm, stride_xg, tiles,
+def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_xg, tiles,
                            M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                           PREFETCH_K: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_HALF: tl.constexpr):
+                           PREFETCH_K: tl.constexpr):
     """Group ``g = pid // tiles``, its column tile ``pid % tiles``: ``out[:, g, tile] =
-    x[:, g, :] @ w[g N + tile].T`` (``out [M, G, N]`` contiguous, ``w [G N, K]``); with ``ROPE_HALF
-    > 0`` x's heads rotated back first (pos ``[M]``, freq ``[ROPE_HALF]``: :func:`_rows_product`)."""
+    x[:, g, :] @ w[g N + tile].T`` (``out [M, G, N]`` contiguous, ``w [G N, K]``)."""
     pid = tl.program_id(0)
     g = pid // tiles
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr, pos_ptr, freq_ptr,
-                        M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K, HEAD_DIM, ROPE_HALF)
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr,
+                        M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K)
     m = tl.arange(0, M_PAD)
     out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
     tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])
 
 
-def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None,
-                          positions: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
-                          head_dim: int = 0) -> torch.Tensor:
+def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig | None = None) -> torch.Tensor:
     """``out[:, g] = x[:, g] @ w.view(G, N, K)[g].T`` in one launch: ``x [M, G, K]`` (M <=
     :data:`MAX_ROWS`, unit stride along K), ``w [G N, K]`` of x's dtype -> ``[M, G, N]``
-    contiguous. ``config`` as :func:`launch_linears`, by default :data:`GROUPED_CONFIG`. With
-    ``positions [M]`` and ``inv_freq [R / 2]`` fp32 (R / 2 a power of two), x is rotated back first:
-    the last R of every ``head_dim`` columns of a group (``K % head_dim == 0``), as
-    ``dsv4::rope_tail(..., inverse=True)`` on x viewed ``[M, G K / head_dim, head_dim]``."""
+    contiguous. ``config`` as :func:`launch_linears`, by default :data:`GROUPED_CONFIG`."""
     m, groups, k = x.shape
     if m > MAX_ROWS:
         raise ValueError(f"launch_grouped_linear: {m} rows; the kernel takes at most {MAX_ROWS}")
@@ -329,12 +285,7 @@ def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig |
     block_n, block_k, warps, stages = config or GROUPED_CONFIG
     tiles = triton.cdiv(n, block_n)
     prefetch_k = _pdl_prefetch_k(k, block_n, x.element_size(), x.device)
-    rope_half = 0 if positions is None else inv_freq.shape[0]
-    if rope_half:
-        positions, inv_freq = positions.contiguous(), inv_freq.contiguous()
-    _grouped_linear_kernel[(groups * tiles,)](x, w, out, positions if rope_half else x, inv_freq if rope_half else x,
-                                              m, groups, k, n, x.stride(0), x.stride(1), tiles, M_PAD=MAX_ROWS,
-                                              BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
-                                              HEAD_DIM=head_dim if rope_half else 0, ROPE_HALF=rope_half,
+    _grouped_linear_kernel[(groups * tiles,)](x, w, out, m, groups, k, n, x.stride(0), x.stride(1), tiles,
+                                              M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
                                               num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
     return out

@@ -82,28 +82,14 @@ def _rotated_pairs(x_row, w_ptr, even, scale, pos, freq_ptr, HALF: tl.constexpr,
 
 
 @triton.jit
-def rope_cos_sin(pos, freq, INVERSE: tl.constexpr):
-    """``(cos, sin)`` fp32 of the angles ``pos * freq`` (their negatives when INVERSE)."""
+def _rotated(y0, y1, pos, freq, INVERSE: tl.constexpr, DTYPE: tl.constexpr):
+    """fp32 pairs ``(y0, y1)`` rotated by the angles ``pos * freq`` (by their negatives when
+    INVERSE) in fp32, rounded once to ``DTYPE``."""
     angle = pos.to(tl.float32) * freq
     cos, sin = tl.cos(angle), tl.sin(angle)
     if INVERSE:
         sin = -sin
-    return cos, sin
-
-
-@triton.jit
-def rotated_by(y0, y1, cos, sin, DTYPE: tl.constexpr):
-    """fp32 pairs ``(y0, y1)`` rotated by the angles of ``(cos, sin)`` in fp32, rounded once to
-    ``DTYPE``."""
     return (y0 * cos - y1 * sin).to(DTYPE), (y0 * sin + y1 * cos).to(DTYPE)
-
-
-@triton.jit
-def _rotated(y0, y1, pos, freq, INVERSE: tl.constexpr, DTYPE: tl.constexpr):
-    """fp32 pairs ``(y0, y1)`` rotated by the angles ``pos * freq`` (by their negatives when
-    INVERSE) in fp32, rounded once to ``DTYPE``."""
-    cos, sin = rope_cos_sin(pos, freq, INVERSE)
-    return rotated_by(y0, y1, cos, sin, DTYPE)
 
 
 @triton.jit

@@ -97,22 +97,6 @@ def test_hc_pre_matches_reference(device, lead, n, d, iters, normed):
         _assert_rounding_close(g, w)
 
 
-@pytest.mark.parametrize("lead", [(1, 1), (1, 9), (17,)])
-@pytest.mark.parametrize("iters", [1, 20])
-def test_hc_pre_with_the_sinkhorn_in_registers(device, lead, iters, monkeypatch):
-    """``SINKHORN_IN_REGISTERS``: a 4 x 4 comb scaled by reciprocals of its sums, within fp32
-    rounding of the reference's divisions (20 iterations, 39 scalings); the other outputs unchanged."""
-    n, d = 4, 96
-    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
-    x = _streams(lead, n, d, device)
-    tile = kernels.launch_hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)
-    monkeypatch.setattr(kernels, "SINKHORN_IN_REGISTERS", True)
-    got = kernels.launch_hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)
-    _assert_rounding_close(got[1], ref.hc_pre(x, fn, base, scale, iters, 1e-6, 1e-6)[1])
-    assert torch.equal(got[0], tile[0]) and torch.equal(got[2], tile[2])
-    assert not torch.equal(got[1], tile[1]) or iters == 1  # the registers' path ran: other roundings
-
-
 def test_hc_pre_norm_of_a_cancelling_collapse(device):
     """Streams ``v`` and ``0.1 u - v`` under equal collapse weights (``pre`` from zero projection
     rows and equal bases): the collapse ``0.1 pre u`` is ten times smaller than the streams, so the

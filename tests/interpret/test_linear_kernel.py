@@ -105,42 +105,17 @@ def _unroped(x, positions, inv_freq, head_dim):
     return rope_tail(heads, positions.unsqueeze(1), inv_freq, inverse=True).view(x.shape)
 
 
-@pytest.mark.parametrize("m", [1, 5, kernels.MAX_ROWS])
-@pytest.mark.parametrize("head_dim, half, config", [
-    (64, 8, SMALL),  # blocks of 32: the first of a head all kept, the second half rotated
-    (32, 4, (16, 128, 2, 1)),  # a block of four heads
-    (512, 32, None),  # the attention output's heads, the default tile (blocks of 256)
-])
-def test_grouped_kernel_rotates_heads_back_as_rope_tail(device, m, head_dim, half, config):
-    """With positions the kernel first undoes each head's RoPE: the product of the reference's
-    rotated x (``rope_tail(..., inverse=True)``), up to the sum's order."""
-    gen = torch.Generator(device=device).manual_seed(m + head_dim)
-    groups, k = 2, 2 * head_dim if head_dim > 32 else 4 * head_dim
-    x = torch.randn(m, groups, k, generator=gen, device=device).to(DTYPES[-1])
-    w = torch.randn(groups * 24, k, generator=gen, device=device).to(x.dtype)
-    positions = torch.randint(0, 1 << 20, (m,), generator=gen, device=device, dtype=torch.int32)
-    inv_freq = 0.5 ** torch.arange(half, dtype=torch.float32, device=device)
-    want = kernels.launch_grouped_linear(_unroped(x, positions, inv_freq, head_dim), w, config)
-    got = kernels.launch_grouped_linear(x, w, config, positions=positions, inv_freq=inv_freq, head_dim=head_dim)
-    _close(got, want)
-    _close(got, torch.einsum("mgk,gnk->mgn", _unroped(x, positions, inv_freq, head_dim).float(),
-                             w.float().view(groups, 24, k)))
-    with pytest.raises(AssertionError):  # the rotation is not the identity at these positions
-        _close(got, kernels.launch_grouped_linear(x, w, config))
-
-
-@pytest.mark.parametrize("in_product", [False, True])  # the rotation in the product's launch, or its own
-@pytest.mark.parametrize("m", [3, kernels.MAX_ROWS + 4])  # the kernel; rope_tail's kernel then torch.bmm
-def test_grouped_op_rotates_heads_back_on_device(device, m, in_product):
-    from dsv4_compile.testing.bench import unrope_in_product
-
+@pytest.mark.parametrize("m", [3, kernels.MAX_ROWS + 4])  # the kernel; then torch.bmm
+def test_grouped_op_rotates_heads_back_on_device(device, m):
+    """With positions the op undoes each head's RoPE (``rope_tail``'s kernel) before the product."""
     x = torch.randn(m, 2, 1024, device=device).to(DTYPES[-1])
     w = torch.randn(2 * 24, 1024, device=device).to(x.dtype)
     positions = torch.arange(m, device=device) * 977
     inv_freq = 0.7 ** torch.arange(32, dtype=torch.float32, device=device)
-    want = torch.einsum("mgk,gnk->mgn", _unroped(x, positions, inv_freq, 512).float(), w.float().view(2, 24, 1024))
-    with unrope_in_product(in_product):
-        _close(torch.ops.dsv4.grouped_linear(x, w, positions, inv_freq, 512), want)
+    got = torch.ops.dsv4.grouped_linear(x, w, positions, inv_freq, 512)
+    _close(got, torch.einsum("mgk,gnk->mgn", _unroped(x, positions, inv_freq, 512).float(), w.float().view(2, 24, 1024)))
+    with pytest.raises(AssertionError):  # the rotation is not the identity at these positions
+        _close(got, torch.ops.dsv4.grouped_linear(x, w))
 
 
 def test_weight_prefetch_changes_no_value(device):
