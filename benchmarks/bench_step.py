@@ -59,7 +59,8 @@ STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl")  # --host: 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="flash")
-    p.add_argument("--layers", default="0,4,128", help="compress ratios of the benchmarked stack")
+    p.add_argument("--layers", default="0,4,128",
+                   help="compress ratios of the benchmarked stack; 'preset': all of --preset's layers")
     p.add_argument("--batch", default="1,8,64,256")
     p.add_argument("--context", default="4096,131072")
     p.add_argument("--ways", default="eager,compile,reduce-overhead,compile-step,compile-step-graphs,manual-graph")
@@ -166,8 +167,9 @@ def _manual_graph(stack, x, step):
 
 def run(args) -> list[dict]:
     device = "cuda"
-    config = DSV4AttnConfig.from_name(args.preset).with_(
-        compress_ratios=tuple(int(r) for r in args.layers.split(",")))
+    config = DSV4AttnConfig.from_name(args.preset)
+    if args.layers != "preset":
+        config = config.with_(compress_ratios=tuple(int(r) for r in args.layers.split(",")))
     batches = [int(b) for b in args.batch.split(",")]
     ways = args.ways.split(",")
     results = []

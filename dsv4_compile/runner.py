@@ -54,6 +54,10 @@ class _Request:
         return len(self.tokens) - self.fed
 
 
+class _Unforeseen(Exception):
+    """A step built ahead no longer follows: its transaction is undone."""
+
+
 def pages_needed(length: int, max_step_tokens: int, max_draft_tokens: int) -> tuple[int, int]:
     """``(full, swa)`` pages a request of ``length`` positions holds at most when every chunk has
     at most ``max_step_tokens`` tokens: a full page per 256 positions; SWA pages for the window
@@ -67,13 +71,17 @@ class ModelRunner(StepBuilder):
     """Continuous batching over ``backend``'s allocator, running ``step_fn(input_ids, step,
     logit_rows)`` (default: ``backend`` eager; pass :func:`~dsv4_compile.compile.compile_step`'s
     result to run compiled). Steps have at most ``max_step_tokens`` real rows; ``bucketed`` pads them
-    as :class:`~dsv4_compile.step_builder.StepBuilder` does."""
+    as :class:`~dsv4_compile.step_builder.StepBuilder` does. ``build_ahead``: build each step while
+    the device runs the one before it, where it can be foretold (:meth:`_consume_ahead`); False
+    builds each step after the last one's results are read (the same tokens, the host's time and
+    the device's added up)."""
 
     def __init__(self, backend: "ModelBackend", *, step_fn: Step | None = None, max_step_tokens: int = 256,
-                 bucketed: bool = True):
+                 bucketed: bool = True, build_ahead: bool = True):
         super().__init__(backend.allocator, bucketed=bucketed)
         self.backend = backend
         self.step_fn = step_fn or backend
+        self.build_ahead = build_ahead
         if check_count("max_step_tokens", max_step_tokens) < 1:
             raise ValueError("max_step_tokens must be >= 1")
         self.max_step_tokens = max_step_tokens
@@ -152,7 +160,8 @@ class ModelRunner(StepBuilder):
                     req.tokens.append(token)
 
         requests = [_Request(i, p[:], len(p) + max_new_tokens - 1) for i, p in enumerate(prompts)]
-        self._serve("prompts (with max_new_tokens - 1 generated tokens)", requests, consume, every_row=False)
+        self._serve("prompts (with max_new_tokens - 1 generated tokens)", requests, consume, every_row=False,
+                    grows=True)
         return out
 
     @torch.no_grad()
@@ -172,23 +181,33 @@ class ModelRunner(StepBuilder):
                     self.release(row)
 
     # -- the serving loop ----------------------------------------------------------------------
-    def _serve(self, name: str, requests: list[_Request], consume: Consume, *, every_row: bool) -> None:
+    def _serve(self, name: str, requests: list[_Request], consume: Consume, *, every_row: bool,
+               grows: bool = False) -> None:
         """Run ``requests`` to completion. After each step, ``consume(parts, logits)`` gets the logits
         of every fed row of each request in the step (``every_row``), or of the last row of each
         request whose tokens are now all fed; a request with nothing left to feed afterwards is
-        finished and released. Raises ``ValueError`` before any step if a request can never fit."""
+        finished and released. ``grows``: ``consume`` may append a token to such a request (as
+        ``generate`` does), which then goes on. Raises ``ValueError`` before any step if a request
+        can never fit.
+
+        While the device runs a step, the next one is built ahead of ``consume`` (which may wait for
+        the device) when it can be foretold (:meth:`_consume_ahead`)."""
         free = self._check_capacity(name, requests)
         pending = deque(r for r in requests if r.left)
         running: list[_Request] = []
+        ahead: tuple[list[tuple[_Request, int]], StepInputs] | None = None
         try:
             while pending or running:
-                plan = self._plan(pending, running, free)
-                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                if ahead is None:
+                    plan = self._plan(pending, running, free)
+                    step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                else:
+                    plan, step = ahead
                 ids, logit_rows, parts = self._step_inputs(plan, every_row)
                 logits = self.run_step(step, ids, logit_rows)
                 for req, n in plan:
                     req.fed += n
-                consume(parts, logits)
+                ahead = self._consume_ahead(pending, running, grows, lambda: consume(parts, logits))
                 for req in [r for r in running if not r.left]:
                     running.remove(req)
                     self.release(req.row)
@@ -197,17 +216,34 @@ class ModelRunner(StepBuilder):
             for req in running:
                 self.release(req.row)
 
+    def _consume_ahead(self, pending: deque[_Request], running: list[_Request], grows: bool,
+                       consume: Callable[[], None]) -> tuple[list[tuple[_Request, int]], StepInputs] | None:
+        """``consume()``, with the next step built before it when no request waits for admission:
+        the plan that follows if every request whose tokens are all fed gets one more token while
+        it is shorter than its final length (``grows``), and ends otherwise. If ``consume`` ends a
+        request early (a stop token), the step is undone (the allocator's transaction) and None
+        returned: the loop plans again. Returns ``(plan, step)`` otherwise."""
+        foretold = [req.left or int(grows and len(req.tokens) < req.length) for req in running]
+        plan = self._running_plan(running, foretold)[0] if self.build_ahead and not pending else []
+        if not plan:
+            consume()
+            return None
+        try:
+            with self.allocator.transaction():
+                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                consume()
+                if [req.left for req in running] != foretold:
+                    raise _Unforeseen
+        except _Unforeseen:
+            return None
+        return plan, step
+
     def _plan(self, pending: deque[_Request], running: list[_Request], free: list[int]
               ) -> list[tuple[_Request, int]]:
         """This step's ``(request, tokens)``: decodes first, then prefill chunks of running requests,
         then newly admitted requests, within ``max_step_tokens``. ``free``: the rows and pages left
         beside the running requests' reservations (``[rows, full, swa]``), updated on admission."""
-        budget, plan = self.max_step_tokens, []
-        for req in sorted(running, key=lambda r: r.left > 1):
-            n = min(req.left, budget)
-            if n:
-                plan.append((req, n))
-                budget -= n
+        plan, budget = self._running_plan(running, [req.left for req in running])
         while pending and budget and self._reserve(pending[0], free):
             req = pending.popleft()
             req.row = self.admit()
@@ -215,6 +251,17 @@ class ModelRunner(StepBuilder):
             plan.append((req, min(req.left, budget)))
             budget -= plan[-1][1]
         return plan
+
+    def _running_plan(self, running: list[_Request], left: list[int]) -> tuple[list[tuple[_Request, int]], int]:
+        """``(plan, budget left)`` of the running requests with ``left[i]`` tokens to feed each:
+        decodes first, then prefill chunks, within ``max_step_tokens``."""
+        budget, plan = self.max_step_tokens, []
+        for req, n in sorted(zip(running, left), key=lambda entry: entry[1] > 1):
+            n = min(n, budget)
+            if n:
+                plan.append((req, n))
+                budget -= n
+        return plan, budget
 
     def _need(self, req: _Request) -> tuple[int, int, int]:
         """The request row and pages ``req`` reserves: ``(1, full, swa)``."""

@@ -13,4 +13,5 @@ def test_cpu_run_writes_every_batch(tmp_path):
                             "--out", str(out)])
     report = json.loads(out.read_text())
     assert report["device"] == "cpu" and [r["batch"] for r in report["results"]] == [1, 3]
-    assert all(r["build_step_us"] > 0 and r["generate_us"] > 0 for r in report["results"])
+    assert all(r["build_step_us"] > 0 and r["generate_us"] > 0 and r["generate_serial_us"] > 0
+               for r in report["results"])

@@ -14,6 +14,7 @@ from torch._dynamo.utils import counters
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.model import enable
+from dsv4_compile import runner as runner_module
 from dsv4_compile.runner import ModelRunner
 from tests.model.conftest import load_tiny_hf
 from tests.support.compile_checks import fresh_compile_state
@@ -108,6 +109,38 @@ def test_generate_stop_ids_and_seeded_sampling(backend):
     assert runner.generate([prompt, prompt], 4, temperature=1.5, seed=3) == sampled
     assert sampled[0] != sampled[1]
     assert runner.generate([prompt], 0) == [[]]
+
+
+def test_generate_builds_the_next_step_before_it_draws_tokens_and_undoes_it_on_a_stop(backend, monkeypatch):
+    """While no request ends, each step is built before the tokens of the step before it are drawn
+    (the host's building overlaps the device's step: drawing waits for the device). A stop token
+    that ends one of two requests undoes the step built ahead of it; the continuations, and the
+    allocator afterwards, equal those of a loop that builds no step ahead."""
+    runner = ModelRunner(backend, max_step_tokens=32)
+    prompts = [ids_of(6, 9), ids_of(11, 10)]
+    greedy = runner.generate(prompts, 6)
+    stop = greedy[1][1]
+    assert stop not in greedy[0] and greedy[1][0] != stop  # the second draw ends the second request alone
+    events = []
+    drawn = runner_module.sample_tokens
+    monkeypatch.setattr(runner_module, "sample_tokens", lambda *a: events.append("draw") or drawn(*a))
+    built = runner.build_step
+    monkeypatch.setattr(runner, "build_step", lambda *a, **k: events.append("build") or built(*a, **k))
+    before = allocator_state(backend)
+    assert runner.generate(prompts, 6) == greedy
+    # the prefill step, then each decode step built before the previous step's draw
+    assert events == ["build"] + ["build", "draw"] * 5 + ["draw"]
+    events.clear()
+    stopped = runner.generate(prompts, 6, stop_ids=[stop])
+    assert_same_state(before, allocator_state(backend))
+    # the second draw ends the second request: the step built before it is undone and planned again
+    assert events == ["build"] + ["build", "draw"] * 2 + ["build"] + ["build", "draw"] * 3 + ["draw"]
+    events.clear()
+    runner.build_ahead = False
+    assert runner.generate(prompts, 6, stop_ids=[stop]) == stopped
+    assert events == ["build", "draw"] * 6  # each step built after the last one's draw
+    assert stopped == [greedy[0], greedy[1][:2]]
+    assert_same_state(before, allocator_state(backend))
 
 
 def test_requests_that_cannot_fit_are_refused_before_anything_is_written(tiny_hf_dir):
