@@ -70,8 +70,13 @@ def parse_args():
     hbm_tbps_argument(p)
     p.add_argument("--out", default=None, help="write results as JSON")
     p.add_argument("--plot", default=None, help="plot a saved JSON instead of running")
-    p.add_argument("--png", default="bench_step.png")
-    return p.parse_args()
+    p.add_argument("--png", default=None, help="the plot (default: --out's or --plot's name with .png, else "
+                                               "bench_step.png)")
+    args = p.parse_args()
+    if args.png is None:
+        saved = args.out or args.plot
+        args.png = saved.removesuffix(".json") + ".png" if saved else "bench_step.png"
+    return args
 
 
 def _fill_valid_pages(cache: DSV4Cache) -> None:
