@@ -199,7 +199,7 @@ class ModelRunner(StepBuilder):
         try:
             while pending or running:
                 if ahead is None:
-                    plan = self._plan(pending, running, free)
+                    plan = self._plan(pending, running, free, [req.left for req in running])
                     step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
                 else:
                     plan, step = ahead
@@ -207,43 +207,60 @@ class ModelRunner(StepBuilder):
                 logits = self.run_step(step, ids, logit_rows)
                 for req, n in plan:
                     req.fed += n
-                ahead = self._consume_ahead(pending, running, grows, lambda: consume(parts, logits))
-                for req in [r for r in running if not r.left]:
-                    running.remove(req)
-                    self.release(req.row)
-                    free[:] = [f + n for f, n in zip(free, self._need(req))]
+                ahead = self._consume_ahead(pending, running, free, grows, lambda: consume(parts, logits))
+                self._finish([req for req in running if not req.left], running, free)
         finally:
             for req in running:
                 self.release(req.row)
 
-    def _consume_ahead(self, pending: deque[_Request], running: list[_Request], grows: bool,
+    def _consume_ahead(self, pending: deque[_Request], running: list[_Request], free: list[int], grows: bool,
                        consume: Callable[[], None]) -> tuple[list[tuple[_Request, int]], StepInputs] | None:
-        """``consume()``, with the next step built before it when no request waits for admission:
-        the plan that follows if every request whose tokens are all fed gets one more token while
-        it is shorter than its final length (``grows``), and ends otherwise. If ``consume`` ends a
-        request early (a stop token), the step is undone (the allocator's transaction) and None
-        returned: the loop plans again. Returns ``(plan, step)`` otherwise."""
-        foretold = [req.left or int(grows and len(req.tokens) < req.length) for req in running]
-        plan = self._running_plan(running, foretold)[0] if self.build_ahead and not pending else []
-        if not plan:
+        """``consume()``, with the next step planned and built before it (``build_ahead``) as if every
+        request whose tokens are all fed gets one more token while it is shorter than its final
+        length (``grows``) and ends otherwise: those that end are released first, and waiting
+        requests admitted as their capacity allows. If ``consume`` ends a request early (a stop
+        token), the step is undone — the allocator's transaction, and the requests, queue and free
+        capacity as they were — and None returned: the loop plans again. Returns ``(plan, step)``
+        otherwise."""
+        if not self.build_ahead:
             consume()
             return None
+        foretold = [req.left or int(grows and len(req.tokens) < req.length) for req in running]
+        saved, consumed = (list(pending), running[:], free[:]), False
         try:
             with self.allocator.transaction():
-                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
-                consume()
-                if [req.left for req in running] != foretold:
+                self._finish([req for req, left in zip(running, foretold) if not left], running, free)
+                plan = self._plan(pending, running, free, [left for left in foretold if left])
+                if not plan:
                     raise _Unforeseen
-        except _Unforeseen:
+                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                consumed = True
+                consume()
+                if [req.left for req in saved[1]] != foretold:
+                    raise _Unforeseen
+        except BaseException as error:
+            pending.clear()
+            pending.extend(saved[0])
+            running[:], free[:] = saved[1], saved[2]
+            if not isinstance(error, _Unforeseen):
+                raise
+            if not consumed:
+                consume()
             return None
         return plan, step
 
-    def _plan(self, pending: deque[_Request], running: list[_Request], free: list[int]
+    def _plan(self, pending: deque[_Request], running: list[_Request], free: list[int], left: list[int]
               ) -> list[tuple[_Request, int]]:
-        """This step's ``(request, tokens)``: decodes first, then prefill chunks of running requests,
-        then newly admitted requests, within ``max_step_tokens``. ``free``: the rows and pages left
-        beside the running requests' reservations (``[rows, full, swa]``), updated on admission."""
-        plan, budget = self._running_plan(running, [req.left for req in running])
+        """This step's ``(request, tokens)``, ``left[i]`` tokens to feed for ``running[i]``: decodes
+        first, then prefill chunks of running requests, then newly admitted requests, within
+        ``max_step_tokens``. ``free``: the rows and pages left beside the running requests'
+        reservations (``[rows, full, swa]``), updated on admission."""
+        budget, plan = self.max_step_tokens, []
+        for req, n in sorted(zip(running, left), key=lambda entry: entry[1] > 1):
+            n = min(n, budget)
+            if n:
+                plan.append((req, n))
+                budget -= n
         while pending and budget and self._reserve(pending[0], free):
             req = pending.popleft()
             req.row = self.admit()
@@ -252,16 +269,12 @@ class ModelRunner(StepBuilder):
             budget -= plan[-1][1]
         return plan
 
-    def _running_plan(self, running: list[_Request], left: list[int]) -> tuple[list[tuple[_Request, int]], int]:
-        """``(plan, budget left)`` of the running requests with ``left[i]`` tokens to feed each:
-        decodes first, then prefill chunks, within ``max_step_tokens``."""
-        budget, plan = self.max_step_tokens, []
-        for req, n in sorted(zip(running, left), key=lambda entry: entry[1] > 1):
-            n = min(n, budget)
-            if n:
-                plan.append((req, n))
-                budget -= n
-        return plan, budget
+    def _finish(self, done: list[_Request], running: list[_Request], free: list[int]) -> None:
+        """Release the requests ``done`` (of ``running``): their rows and pages back to ``free``."""
+        for req in done:
+            running.remove(req)
+            self.release(req.row)
+            free[:] = [f + n for f, n in zip(free, self._need(req))]
 
     def _need(self, req: _Request) -> tuple[int, int, int]:
         """The request row and pages ``req`` reserves: ``(1, full, swa)``."""

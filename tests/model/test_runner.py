@@ -112,10 +112,11 @@ def test_generate_stop_ids_and_seeded_sampling(backend):
 
 
 def test_generate_builds_the_next_step_before_it_draws_tokens_and_undoes_it_on_a_stop(backend, monkeypatch):
-    """While no request ends, each step is built before the tokens of the step before it are drawn
-    (the host's building overlaps the device's step: drawing waits for the device). A stop token
-    that ends one of two requests undoes the step built ahead of it; the continuations, and the
-    allocator afterwards, equal those of a loop that builds no step ahead."""
+    """Each step is built before the tokens of the step before it are drawn (the host's building
+    overlaps the device's step: drawing waits for the device), also when a waiting request is
+    admitted in the rows of requests that end. A stop token that ends one of two requests early
+    undoes the step built ahead of it. The continuations, and the allocator afterwards, equal those
+    of a loop that builds no step ahead."""
     runner = ModelRunner(backend, max_step_tokens=32)
     prompts = [ids_of(6, 9), ids_of(11, 10)]
     greedy = runner.generate(prompts, 6)
@@ -135,11 +136,18 @@ def test_generate_builds_the_next_step_before_it_draws_tokens_and_undoes_it_on_a
     assert_same_state(before, allocator_state(backend))
     # the second draw ends the second request: the step built before it is undone and planned again
     assert events == ["build"] + ["build", "draw"] * 2 + ["build"] + ["build", "draw"] * 3 + ["draw"]
+    # a third prompt waits for a row: admitted in the step built while the first two draw their last tokens
+    third = ids_of(4, 11)
     events.clear()
+    three = runner.generate(prompts + [third], 6)
+    assert events == ["build"] + ["build", "draw"] * 11 + ["draw"]
+    assert_same_state(before, allocator_state(backend))
     runner.build_ahead = False
+    events.clear()
     assert runner.generate(prompts, 6, stop_ids=[stop]) == stopped
     assert events == ["build", "draw"] * 6  # each step built after the last one's draw
     assert stopped == [greedy[0], greedy[1][:2]]
+    assert runner.generate(prompts + [third], 6) == three == greedy + runner.generate([third], 6)
     assert_same_state(before, allocator_state(backend))
 
 
