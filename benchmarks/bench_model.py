@@ -673,21 +673,26 @@ def plot(res: dict, png: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (dec, pre) = plt.subplots(1, 2, figsize=(12, 4.5))
+    panels = [("decode", res["decode"])] + ([("prefill", res["prefill"])] if res["prefill"] else [])
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    axes = dict(zip((kind for kind, _ in panels), axes[0]))
     for way in WAYS:
-        for ax, rows in ((dec, res["decode"]), (pre, res["prefill"])):
+        for kind, rows in panels:
             pts = [(r["batch"], r[f"{way}_tok_s"]) for r in rows if r.get(f"{way}_tok_s")]
             if pts:
-                ax.plot(*zip(*pts), marker="o", label=way)
+                axes[kind].plot(*zip(*pts), marker="o", label=way)
+    dec = axes["decode"]
     for key, style, label in (("floor_us", "k--", "floor (all weights)"),
                               ("floor_read_us", "k:", "floor (weights read)")):
+        # a marker too, so that a floor of one batch size shows
         dec.plot([r["batch"] for r in res["decode"]], [1e6 * r["batch"] / r[key] for r in res["decode"]], style,
-                 label=label)
+                 marker="_", markersize=16, label=label)
     dec.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="decode tokens/s",
             title=f"decode, prompt {res['args']['prompt_len']}")
-    pre.set(xscale="log", yscale="log", xlabel="prompts per step", ylabel="prefill tokens/s",
-            title=f"prefill, {res['args']['prompt_len']}-token prompts")
-    for ax in (dec, pre):
+    if "prefill" in axes:
+        axes["prefill"].set(xscale="log", yscale="log", xlabel="prompts per step", ylabel="prefill tokens/s",
+                            title=f"prefill, {res['args']['prompt_len']}-token prompts")
+    for ax in axes.values():
         ax.legend(fontsize=8)
     fig.suptitle(f"DeepSeek V4 model ({res['weights']['total'] / 2**30:.1f} GiB), {res['device']}")
     fig.tight_layout()
