@@ -190,8 +190,9 @@ class ModelRunner(StepBuilder):
         ``generate`` does), which then goes on. Raises ``ValueError`` before any step if a request
         can never fit.
 
-        While the device runs a step, the next one is built ahead of ``consume`` (which may wait for
-        the device) when it can be foretold (:meth:`_consume_ahead`)."""
+        While the device runs a step, the next one is planned and built before ``consume`` (which may
+        wait for the device) reads the step's logits, and undone if ``consume`` ends a request early
+        (:meth:`_consume_ahead`)."""
         free = self._check_capacity(name, requests)
         pending = deque(r for r in requests if r.left)
         running: list[_Request] = []
