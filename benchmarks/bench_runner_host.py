@@ -15,7 +15,8 @@ On the cache of the CLI's built-in model (``python -m dsv4_compile``; weights dr
     generate    ``ModelRunner.generate(prompts, --steps)`` with a step function that returns zero
                 logits at once: µs per step of everything the runner does between steps (planning,
                 building, the logit rows, the greedy pick, bookkeeping), prefill steps included;
-                the runner builds each step while the device runs the one before it
+                the runner builds each step while the device runs the one before it (as it does
+                by default on a GPU)
     generate_serial  the same with ``build_ahead=False``: each step built after the last one's
                 tokens are read
 
@@ -124,7 +125,7 @@ def main(argv=None) -> None:
         on_device()
         return torch.zeros(logit_rows.shape[0], vocab, device=ids.device)
 
-    runner = ModelRunner(backend, step_fn=no_step)
+    runner = ModelRunner(backend, step_fn=no_step, build_ahead=True)
     results = []
     for b in args.batch:
         row = {"batch": b, "build_step_us": build_step_us(runner, b, args), "generate_us": generate_us(runner, b, args),

@@ -117,7 +117,7 @@ def test_generate_builds_the_next_step_before_it_draws_tokens_and_undoes_it_on_a
     admitted in the rows of requests that end. A stop token that ends one of two requests early
     undoes the step built ahead of it. The continuations, and the allocator afterwards, equal those
     of a loop that builds no step ahead."""
-    runner = ModelRunner(backend, max_step_tokens=32)
+    runner = ModelRunner(backend, max_step_tokens=32, build_ahead=True)  # by default on a GPU only
     prompts = [ids_of(6, 9), ids_of(11, 10)]
     greedy = runner.generate(prompts, 6)
     stop = greedy[1][1]
