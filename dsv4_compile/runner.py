@@ -202,7 +202,7 @@ class ModelRunner(StepBuilder):
             while pending or running:
                 if ahead is None:
                     plan = self._plan(pending, running, free, [req.left for req in running])
-                    step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                    step = self._build(plan)
                 else:
                     plan, step = ahead
                 ids, logit_rows, parts = self._step_inputs(plan, every_row)
@@ -228,22 +228,23 @@ class ModelRunner(StepBuilder):
             consume()
             return None
         foretold = [req.left or int(grows and len(req.tokens) < req.length) for req in running]
-        saved, consumed = (list(pending), running[:], free[:]), False
+        was_pending, was_running, was_free = list(pending), running[:], free[:]
+        consumed = False
         try:
             with self.allocator.transaction():
                 self._finish([req for req, left in zip(running, foretold) if not left], running, free)
                 plan = self._plan(pending, running, free, [left for left in foretold if left])
                 if not plan:
                     raise _Unforeseen
-                step = self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
+                step = self._build(plan)
                 consumed = True
                 consume()
-                if [req.left for req in saved[1]] != foretold:
+                if [req.left for req in was_running] != foretold:
                     raise _Unforeseen
         except BaseException as error:
             pending.clear()
-            pending.extend(saved[0])
-            running[:], free[:] = saved[1], saved[2]
+            pending.extend(was_pending)
+            running[:], free[:] = was_running, was_free
             if not isinstance(error, _Unforeseen):
                 raise
             if not consumed:
@@ -270,6 +271,10 @@ class ModelRunner(StepBuilder):
             plan.append((req, min(req.left, budget)))
             budget -= plan[-1][1]
         return plan
+
+    def _build(self, plan: list[tuple[_Request, int]]) -> StepInputs:
+        """The step of ``plan``: each request's row extended by its tokens."""
+        return self.build_step(ForwardMode.EXTEND, {req.row: n for req, n in plan})
 
     def _finish(self, done: list[_Request], running: list[_Request], free: list[int]) -> None:
         """Release the requests ``done`` (of ``running``): their rows and pages back to ``free``."""

@@ -241,10 +241,10 @@ def peak_hbm_tbps(device_name: str | None) -> float:
 def hbm_tbps_argument(parser: argparse.ArgumentParser) -> None:
     """Add ``--hbm-tbps``, the bandwidth a weight floor divides by: the benchmarking GPU's peak unless
     given (:func:`peak_hbm_tbps`)."""
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else None
-    parser.add_argument("--hbm-tbps", type=float, default=peak_hbm_tbps(name),
-                        help=f"HBM bandwidth of the weight floor in TB/s (default: this GPU's peak, "
-                             f"{peak_hbm_tbps(name)}; known: {PEAK_HBM_TBPS})")
+    peak = peak_hbm_tbps(torch.cuda.get_device_name() if torch.cuda.is_available() else None)
+    parser.add_argument("--hbm-tbps", type=float, default=peak,
+                        help=f"HBM bandwidth of the weight floor in TB/s (default: this GPU's peak, {peak}; "
+                             f"known: {PEAK_HBM_TBPS})")
 
 
 def header(device: str, args: argparse.Namespace) -> dict[str, Any]:
