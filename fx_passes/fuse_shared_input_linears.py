@@ -13,11 +13,16 @@ so dynamic token counts add no guard).
 Matched: two or more ``aten.mm`` of the same 2-D ``x`` by ``permute(w, [1, 0])`` (or ``t(w)``,
 as a graph traced without Inductor's decompositions holds it) where ``w`` is a
 2-D placeholder of ``x``'s dtype (bf16 / fp16), with ``x`` on one of ``devices`` (CUDA by default:
-elsewhere the op is the same matmuls). A product with no other of its input becomes a
-``linears`` node of its own when its K is at least ``lone_min_k`` (default 4096: ``o_b_proj`` and
-the ``lm_head``, where the kernel's deep K loop streams the weight 1-7 µs faster than cuBLAS; at
-K of 1024 / 2048 — ``q_b_proj``, the shared expert's ``down_proj`` — cuBLAS is as fast or faster:
-docs/perf-log.md). Anything else — a quantised linear (another op), a weight computed in the
+elsewhere the op is the same matmuls). An ``aten.addmm(b, x, permute(w, [1, 0]))`` (no ``beta`` /
+``alpha``) counts as such a product followed by ``b + product``: Inductor's own patterns make one of
+a product and the residual added to it (the attention stack's ``o_b`` product), which cuBLAS then
+runs as three kernels (a copy, a split-K GEMV, its reduction). The sum then rounds the product to
+the output dtype before adding ``b``, as eager ``b + F.linear(x, w)`` does.
+
+A product with no other of its input becomes a ``linears`` node of its own when its K is at
+least ``lone_min_k`` (default 4096: ``o_b_proj`` and the ``lm_head``, where the kernel's deep K
+loop streams the weight 1-7 µs faster than cuBLAS; at K of 1024 / 2048 — ``q_b_proj``, the shared
+expert's ``down_proj`` — cuBLAS is as fast or faster: docs/perf-log.md). Anything else — a quantised linear (another op), a weight computed in the
 graph, fp32 matmuls — is left as it is.
 
 Groups are fused in Dynamo's graph already (:meth:`FuseSharedInputLinearsPass.apply_pre_grad`,
@@ -54,16 +59,18 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         self.lone_min_k = lone_min_k
 
     def apply(self, graph: torch.fx.Graph) -> int:
-        by_input: dict[object, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)  # (mm, w)
+        by_input: dict[object, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)  # (product, w)
         order = {node: i for i, node in enumerate(graph.nodes)}
-        for mm in sorted(graph.find_nodes(op="call_function", target=_aten.mm.default), key=order.__getitem__):
-            if (w := self._weight_of(mm)) is not None:
-                by_input[_input_key(mm.args[0])].append((mm, w))
+        products = [*graph.find_nodes(op="call_function", target=_aten.mm.default),
+                    *graph.find_nodes(op="call_function", target=_aten.addmm.default)]
+        for product in sorted(products, key=order.__getitem__):
+            if (w := self._weight_of(product)) is not None:
+                by_input[_input_key(_operands(product)[1])].append((product, w))
         matches = 0
         for group in by_input.values():
             if len(group) >= 2 or self._lone(group[0][1]):  # the first product's x is defined before every other
-                mms, weights = map(list, zip(*group))
-                _replace(graph, mms[0].args[0], mms, weights)
+                nodes, weights = map(list, zip(*group))
+                _replace(graph, _operands(nodes[0])[1], nodes, weights)
                 matches += 1
         return matches
 
@@ -104,12 +111,12 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         """Whether a product by ``w`` with no other of its input goes to the kernel."""
         return self.lone_min_k is not None and w.meta["val"].shape[1] >= self.lone_min_k
 
-    def _weight_of(self, mm: torch.fx.Node) -> torch.fx.Node | None:
-        """The placeholder ``w`` of ``mm(x, permute(w, [1, 0]))`` (or ``t(w)``) when the product
-        qualifies, else None."""
-        if mm.kwargs or len(mm.args) != 2:
+    def _weight_of(self, product: torch.fx.Node) -> torch.fx.Node | None:
+        """The placeholder ``w`` of ``mm(x, permute(w, [1, 0]))`` (or ``t(w)``, or the same
+        ``addmm`` with a ``b`` first) when the product qualifies, else None."""
+        if product.kwargs or len(product.args) != (2 if product.target is _aten.mm.default else 3):
             return None
-        x, wt = mm.args
+        _, x, wt = _operands(product)
         transposed = isinstance(wt, torch.fx.Node) and (
             wt.target is _aten.t.default or (wt.target is _aten.permute.default and list(wt.args[1]) == [1, 0]))
         if not transposed:
@@ -126,6 +133,11 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         return (*super().settings(), self.lone_min_k)
 
 
+def _operands(product: torch.fx.Node) -> tuple:
+    """``(b or None, x, wᵀ)`` of ``mm(x, wᵀ)`` / ``addmm(b, x, wᵀ)``."""
+    return (None, *product.args) if product.target is _aten.mm.default else tuple(product.args)
+
+
 def _input_key(x: torch.fx.Node) -> object:
     """What identifies the value of ``x``: ``x`` itself, or for a 2-D reshape ``(source, last
     dim)`` — each ``nn.Linear`` of a 3-D activation flattens it with a reshape of its own
@@ -138,9 +150,10 @@ def _input_key(x: torch.fx.Node) -> object:
 
 def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.Node], weights: list[torch.fx.Node],
              key: str = "val") -> None:
-    """One ``linears`` node before the first of ``products`` (in graph order: ``aten.mm`` calls
-    post-grad, ``F.linear`` calls in Dynamo's graph); each product's users read its output instead.
-    ``key``: the meta entry of the graph's values (``"val"``, Dynamo's ``"example_value"``)."""
+    """One ``linears`` node before the first of ``products`` (in graph order: ``aten.mm`` /
+    ``aten.addmm`` calls post-grad, ``F.linear`` calls in Dynamo's graph); each product's users read
+    its output instead (plus its ``b``, for an ``addmm``). ``key``: the meta entry of the graph's
+    values (``"val"``, Dynamo's ``"example_value"``)."""
     with graph.inserting_before(products[0]):
         fused = graph.call_function(_LINEARS, (x, weights))
         fused.meta[key] = [p.meta[key] for p in products]
@@ -148,6 +161,9 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.No
         for i, product in enumerate(products):
             out = graph.call_function(operator.getitem, (fused, i))
             out.meta[key] = product.meta[key]
+            if product.target is _aten.addmm.default:
+                out = graph.call_function(_aten.add.Tensor, (product.args[0], out))
+                out.meta[key] = product.meta[key]
             outs.append(out)
     for product, out in zip(products, outs):
         inputs = product.args

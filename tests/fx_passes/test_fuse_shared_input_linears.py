@@ -11,12 +11,14 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from dsv4_compile import DSV4AttnConfig
 from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseSharedInputLinearsPass,
                                     FuseSinkhornPass, FuseStepMetadataPass)
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.compile_checks import dynamo_graph, fresh_compile_state
 from tests.support.hf_model import tiny_hf_config, tiny_hf_model
 
@@ -85,6 +87,52 @@ def test_lone_product_of_a_deep_k():
     for fuse in (FuseSharedInputLinearsPass(("cpu",), lone_min_k=None), FuseSharedInputLinearsPass(("cpu",), 8192)):
         fuse(gm.graph)
         assert (fuse.matched_count, fuse.last_ops) == (0, [])
+
+
+def test_a_product_with_its_sum_fused():
+    """``addmm(r, x, wᵀ)`` (Inductor's pattern for a residual added to a product) is a product
+    followed by ``r + product``: lone from K = lone_min_k, or with the other products of its
+    input; its result is eager's ``r + x @ wᵀ`` bit for bit (the product rounded, then the sum).
+    With a ``beta`` it is left alone."""
+    x, r = torch.randn(2, 4096, **bf16), torch.randn(2, 8, **bf16)
+    w, v = torch.randn(8, 4096, **bf16), torch.randn(16, 4096, **bf16)
+    matches, ops, counts, _, got = _rewrite(lambda x, w, r: torch.addmm(r, x, w.T), x, w, r)
+    assert (matches, ops, counts) == (1, [FUSED], [1]) and torch.equal(got, r + x @ w.T)
+    matches, ops, counts, _, got = _rewrite(lambda x, w, v, r: (torch.addmm(r, x, w.T), x @ v.T), x, w, v, r)
+    assert (matches, ops, counts) == (1, [FUSED], [2])
+    assert torch.equal(got[0], r + x @ w.T) and torch.equal(got[1], x @ v.T)
+    matches, ops, _, want, got = _rewrite(lambda x, w, r: torch.addmm(r, x, w.T, beta=0.5), x, w, r)
+    assert (matches, ops) == (0, []) and torch.equal(got, want)
+
+
+class _CountingAddmm(FuseSharedInputLinearsPass):
+    """The pass, counting the graph's ``addmm`` nodes before and after it runs."""
+
+    def apply(self, graph):
+        self.addmm = [len(graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default))]
+        matches = super().apply(graph)
+        self.addmm.append(len(graph.find_nodes(op="call_function", target=torch.ops.aten.addmm.default)))
+        return matches
+
+
+@torch.no_grad()
+def test_attention_stack_output_product_and_residual_fused():
+    """compile_step of a 2-layer attention stack: Inductor makes each layer's ``o_b`` product and
+    the residual added to it one ``addmm``; the pass (lone products from K = 1 here, the tiny
+    stack's K being small) turns both into ``linears`` nodes plus a sum, and the step's output stays
+    within a bf16 rounding of the stack run eagerly."""
+    cfg = DSV4AttnConfig.from_name("tiny").with_(compress_ratios=(0, 4), index_topk=64)
+    eng, rec = make_engine(cfg, max_requests=2, max_seq_len=512, capture_layers=False)
+    row = eng.admit()
+    rec.run(ForwardMode.EXTEND, {row: 20})
+    step = eng.build_step(ForwardMode.DECODE, {row: 1})
+    x = torch.randn(1, cfg.hidden_size, **bf16)
+    want = eng.stack(x, step)  # the compiled call writes the same cache entries again
+    fuse = _CountingAddmm(("cpu",), lone_min_k=1)
+    with fresh_compile_state():
+        got = compile_step(eng.stack, passes=DSV4PassManager([FuseStepMetadataPass(), fuse]))(x, step)
+    assert fuse.addmm == [2, 0]
+    torch.testing.assert_close(got.float(), want.float(), atol=2 ** -7 * want.float().abs().max().item(), rtol=0)
 
 
 def _projections(x, w1, w2, w3, w_lone, b):
