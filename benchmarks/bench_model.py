@@ -378,6 +378,7 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
     ``host`` ``"host_us"`` (the host's µs per step, the GPU kept busy) and ``"synced_us"`` (µs per
     step when each step's tokens are read on the host before the next step is issued)."""
     b = tokens.shape[0]
+    start = time.perf_counter()
     rows, ids = fill(backend, tokens, args.fill_tokens)
     steps = iter(decode_steps(backend, rows, args.warmup + args.steps * (1 + profile + 2 * host)))
     out_rows = logit_rows(list(range(b)), tokens.device)
@@ -389,7 +390,13 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
             if synced:
                 ids.tolist()
 
+    filled = time.perf_counter()
     run(args.warmup)
+    ids.tolist()
+    # where a run's first minutes go: on a fresh machine the eager prefill and a compiled way's first
+    # steps compile every kernel (and capture the graphs)
+    print(f"         b {b:>3}: prompts filled in {filled - start:.1f} s, {args.warmup} warm-up steps in "
+          f"{time.perf_counter() - filled:.1f} s", flush=True)
     us = 1e3 * elapsed_ms(lambda: run(args.steps), tokens.device) / args.steps
     extra = {}
     if host:  # before profiling: the profiler slows the launches that follow it
