@@ -22,8 +22,8 @@ the output dtype before adding ``b``, as eager ``b + F.linear(x, w)`` does.
 A product with no other of its input becomes a ``linears`` node of its own when its K is at
 least ``lone_min_k`` (default 4096: ``o_b_proj`` and the ``lm_head``, where the kernel's deep K
 loop streams the weight 1-7 µs faster than cuBLAS; at K of 1024 / 2048 — ``q_b_proj``, the shared
-expert's ``down_proj`` — cuBLAS is as fast or faster: docs/perf-log.md). Anything else — a quantised linear (another op), a weight computed in the
-graph, fp32 matmuls — is left as it is.
+expert's ``down_proj`` — cuBLAS is as fast or faster: docs/perf-log.md). Anything else — a
+quantised linear (another op), a weight computed in the graph, fp32 matmuls — is left as it is.
 
 Groups are fused in Dynamo's graph already (:meth:`FuseSharedInputLinearsPass.apply_pre_grad`,
 the pre-grad stage): two or more bias-free ``F.linear(x, w)`` of one 2-D ``x`` by graph inputs
@@ -114,9 +114,10 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
     def _weight_of(self, product: torch.fx.Node) -> torch.fx.Node | None:
         """The placeholder ``w`` of ``mm(x, permute(w, [1, 0]))`` (or ``t(w)``, or the same
         ``addmm`` with a ``b`` first) when the product qualifies, else None."""
-        if product.kwargs or len(product.args) != (2 if product.target is _aten.mm.default else 3):
+        operands = _operands(product)
+        if product.kwargs or len(operands) != 3:
             return None
-        _, x, wt = _operands(product)
+        _, x, wt = operands
         transposed = isinstance(wt, torch.fx.Node) and (
             wt.target is _aten.t.default or (wt.target is _aten.permute.default and list(wt.args[1]) == [1, 0]))
         if not transposed:
