@@ -362,8 +362,9 @@ def _tile(text: str) -> tuple[int, int, int, int]:
 
 
 def linear_cases(args) -> list[Case]:
-    """``dsv4::linears``' kernel (one weight) / ``dsv4::grouped_linear``'s at b rows (up to 16: the
-    ops run cuBLAS above) against cuBLAS, each call cycling over copies of the weight. Bytes: the weight read, x read, the output written."""
+    """``dsv4::linears``' kernel (one weight) / ``dsv4::grouped_linear``'s at b rows (up to 64: the
+    ops run cuBLAS above) against cuBLAS, each call cycling over copies of the weight. Bytes: the
+    weight read, x read, the output written."""
     cases = []
     for name, groups, n, k in LINEAR_SHAPES[torch.device(args.device).type]:
         gen = torch.Generator(device=args.device).manual_seed(n)

@@ -1,4 +1,4 @@
-"""Per-step latency of one multi-layer DSV4 decode step, five ways, side by side in one run.
+"""Per-step latency of one multi-layer DSV4 decode step, several ways, side by side in one run.
 
 Usage:
     python benchmarks/bench_step.py --out step.json            # on a CUDA machine
@@ -17,6 +17,8 @@ Ways (the same stack, cache and step tensors):
                      CUDA graph per input signature, replayed without entering Dynamo
     compile-step-graphs-pdl  the same with Inductor's kernels under programmatic dependent launch
                      (``triton.enable_pdl``)
+    compile-step-graphs-mm-above-16  compile-step-graphs with products of more than 16 rows through
+                     cuBLAS (``torch.mm``) instead of ``dsv4::linears``' kernel
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -49,11 +51,16 @@ from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardM
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
-from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call,
+from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call, linears_max_rows,
                                         profile_steps)
 
-GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl", "manual-graph")  # --profile / --host
-STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl")  # --host: also back to back, and the graph alone
+GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl",
+              "compile-step-graphs-mm-above-16", "manual-graph")  # --profile / --host
+# --host: also back to back, and the graph alone
+STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16")
+# ways that capture their graphs under a kernel setting: the products of more than 16 rows through
+# cuBLAS, as before dsv4::linears took up to 64
+SETTINGS = {"compile-step-graphs-mm-above-16": lambda: linears_max_rows(16)}
 
 
 def parse_args():
@@ -170,6 +177,12 @@ def _manual_graph(stack, x, step):
     return run
 
 
+def _within(setting, fn, *args):
+    """``fn(*args)`` with ``setting()`` entered (a graph captured in it keeps its launches)."""
+    with setting():
+        return fn(*args)
+
+
 def run(args) -> list[dict]:
     device = "cuda"
     config = DSV4AttnConfig.from_name(args.preset)
@@ -188,7 +201,9 @@ def run(args) -> list[dict]:
                     "compile-step": compile_step(stack, mode="reduce-overhead"),
                     "compile-step-graphs": compile_step(stack, mode="reduce-overhead", cuda_graphs="step"),
                     "compile-step-graphs-pdl": compile_step(stack, mode="reduce-overhead", cuda_graphs="step",
-                                                            options={"triton.enable_pdl": True})}
+                                                            options={"triton.enable_pdl": True}),
+                    "compile-step-graphs-mm-above-16": compile_step(stack, mode="reduce-overhead",
+                                                                    cuda_graphs="step")}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:
@@ -199,6 +214,8 @@ def run(args) -> list[dict]:
                     fn = lambda s=stack: s(x, step, validate=False)  # noqa: E731
                 elif way == "manual-graph":
                     fn = _manual_graph(stack, x, step)
+                elif way in SETTINGS:
+                    fn = lambda c=compiled[way], setting=SETTINGS[way]: _within(setting, c, x, step)  # noqa: E731
                 else:
                     fn = lambda c=compiled[way]: c(x, step)  # noqa: E731
                 row[way] = _time(fn, args.iters)

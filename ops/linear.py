@@ -3,7 +3,7 @@
 The model does not call the op: a compiled step gets it from ``FuseSharedInputLinearsPass``
 (``fx_passes/fuse_shared_input_linears.py``), which replaces the bf16 matmuls of one activation by
 weights of the graph (a layer's q / kv / compressor / indexer projections of the normed hidden
-state) by one call. On CUDA a call with at most 16 rows is one Triton launch
+state) by one call. On CUDA a call with at most 64 rows is one Triton launch
 (``ops/kernels/linear.py``, up to 8 weights a launch); more rows, and other devices, run each
 product as ``torch.mm``.
 
@@ -11,9 +11,9 @@ product as ``torch.mm``.
 (``transformers``' ``DeepseekV4GroupedLinear``: a ``bmm`` over groups). The attention layers call
 it directly (its output is contiguous, where the module's is a transposed ``bmm`` whose reshape
 depends on whether there is one row); ``FuseGroupedLinearPass`` (``fx_passes/fuse_grouped_linear.py``)
-puts it in place of the module's ``bmm`` where the module is called as it is. On CUDA up to 16
+puts it in place of the module's ``bmm`` where the module is called as it is. On CUDA up to 64
 rows it is one Triton launch over every group's column tiles, where cuBLAS runs a split-K GEMV and
-a reduction kernel.
+a reduction kernel (or, from 17 rows, a GEMM and a copy of its transposed output).
 
 Shape legend: M rows, K input features (per group for ``grouped_linear``), N_g output features of
 weight g, G groups of N outputs each.

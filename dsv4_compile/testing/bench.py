@@ -303,6 +303,14 @@ def weight_prefetch(enabled: bool):
     return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)
 
 
+def linears_max_rows(rows: int):
+    """While entered, ``dsv4::linears`` runs its kernel up to ``rows`` rows of x and ``torch.mm``
+    above (``ops.kernels.linear.MAX_ROWS``)."""
+    from ..ops.kernels import linear
+
+    return _kernel_setting(linear, "MAX_ROWS", rows)
+
+
 def linears_split_k(rows: int):
     """While entered, ``dsv4::linears`` splits K for groups of up to ``rows`` weight rows
     (``ops.kernels.linear.SPLIT_K_ROWS``; 0: never)."""

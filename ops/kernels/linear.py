@@ -7,7 +7,7 @@ kernel (on the H200, 5.7 µs for a 1024 x 4096 weight whose bytes need 1.7 µs).
 of one input (a layer's query, key and compressor projections of the normed hidden state) run
 here as one grid over every weight's column tiles: program ``p`` finds the weight whose tiles
 hold ``p``, streams ``BLOCK_N`` of its rows along K once and multiplies them with all rows of x at
-once on the tensor cores (x padded to 16 rows). Up to :data:`MAX_WEIGHTS` weights a launch, each
+once on the tensor cores (x padded to 16, 32 or 64 rows). Up to :data:`MAX_WEIGHTS` weights a launch, each
 its own pointer argument (no pointer table to build, so the launch is CUDA-graph safe); a program
 selects its weight's pointers by value, so the kernel has one K loop whatever the weight count.
 
@@ -36,7 +36,7 @@ import triton.language as tl
 from .host import has_pdl, num_sms
 from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
 
-MAX_ROWS = DOT_MIN_ROWS  # rows of x up to which the kernel runs (one tl.dot tile of rows); more are a GEMM
+MAX_ROWS = 64  # rows of x up to which the kernels run (padded to 16, 32 or 64: rows_pad); more are a GEMM
 MAX_WEIGHTS = 8
 # TileConfig (BLOCK_N: rows of a weight per program, BLOCK_K: K per step). The H200's
 # best over the benchmark model's fused groups at 1 and 8 rows (a sweep of 36 tiles,
@@ -69,9 +69,29 @@ WEIGHT_PREFETCH = True
 _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each
 
 
-def default_config(k: int, rows: int = 0) -> tuple[TileConfig, bool]:
-    """``(tile, split_k)``: the launch tile for ``K = k`` input features and ``rows`` weight rows in
-    all, and whether the launch splits K."""
+# Above 16 rows of x (a b = 17..64 decode step, a verify step's draft rows) each program reads x's
+# [M_PAD, BLOCK_K] tile from the L2 beside its weight rows. On an H100 at 24 / 32 / 64 rows, alone
+# (docs/perf-log.md), against cuBLAS's GEMMs: a CSA layer's 7 hidden-state products 13.9 / 13.0 /
+# 11.6 µs against 46.7 / 48.0 / 47.8, o_b_proj 27.7 / 27.1 / 27.8 against 28.6 / 28.9 / 30.2 with
+# 32 x 256 tiles unsplit; the query latent's products (K 1024) 33.8 / 34.1 / 36.1 against 35.1 /
+# 35.5 / 37.1 with 64 x 256 on 3 stages; the grouped o_a_proj 27.1 / 27.7 / 28.0 with that tile
+# against the bmm's 26.6 / 27.1 / 27.8, which in a step also needs its output transposed (a copy
+# kernel, 3 µs at 64 rows).
+MANY_ROWS_DEEP_K_CONFIG = (32, 256, 4, 4)
+MANY_ROWS_SHALLOW_K_CONFIG = (64, 256, 4, 3)
+MANY_ROWS_GROUPED_CONFIG = (64, 256, 4, 3)
+
+
+def rows_pad(m: int) -> int:
+    """``M_PAD``: ``m`` rows of x padded to a ``tl.dot`` tile of rows (16, 32 or 64)."""
+    return max(DOT_MIN_ROWS, triton.next_power_of_2(m))
+
+
+def default_config(k: int, rows: int = 0, m: int = 1) -> tuple[TileConfig, bool]:
+    """``(tile, split_k)``: the launch tile for ``m`` rows of x, ``K = k`` input features and
+    ``rows`` weight rows in all, and whether the launch splits K."""
+    if m > DOT_MIN_ROWS:
+        return (MANY_ROWS_DEEP_K_CONFIG if k >= DEEP_K else MANY_ROWS_SHALLOW_K_CONFIG), False
     if rows >= WIDE_ROWS:
         return WIDE_CONFIG, False
     if k >= DEEP_K:
@@ -223,8 +243,9 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     weights = [_aligned(w) for w in weights]  # outputs are fresh allocations, aligned too
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
     if config is None:
-        config, split_k = default_config(k, sum(w.shape[0] for w in weights))
+        config, split_k = default_config(k, sum(w.shape[0] for w in weights), m)
     block_n, block_k, warps, stages = config
+    m_pad = rows_pad(m)
     firsts = [0]
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
@@ -238,11 +259,11 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     # the partials' workspace and the tiles' arrival counters (zeroed per launch: a buffer kept
     # between launches would be owned by the first CUDA graph whose warm-up made it); unread (x in
     # their place) without a split
-    part = x.new_empty((split, tiles, MAX_ROWS, block_n), dtype=torch.float32) if split > 1 else x
+    part = x.new_empty((split, tiles, m_pad, block_n), dtype=torch.float32) if split > 1 else x
     counters = torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1 else x
     prefetch_k = _pdl_prefetch_k(k_per_split, block_n, x.element_size(), x.device)
     _linears_kernel[(tiles, split)](x, m, k, x.stride(0), part, counters, tiles, split, k_per_split, *args,
-                                    G=len(weights), M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k,
+                                    G=len(weights), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
                                     PREFETCH_K=prefetch_k, SPLIT_K=split > 1, num_warps=warps, num_stages=stages,
                                     launch_pdl=prefetch_k > 0)
     return outs
@@ -282,10 +303,11 @@ def launch_grouped_linear(x: torch.Tensor, w: torch.Tensor, config: TileConfig |
         return out
     if k == 0:
         return out.zero_()
-    block_n, block_k, warps, stages = config or GROUPED_CONFIG
+    block_n, block_k, warps, stages = config or (GROUPED_CONFIG if m <= DOT_MIN_ROWS else MANY_ROWS_GROUPED_CONFIG)
     tiles = triton.cdiv(n, block_n)
     prefetch_k = _pdl_prefetch_k(k, block_n, x.element_size(), x.device)
     _grouped_linear_kernel[(groups * tiles,)](x, w, out, m, groups, k, n, x.stride(0), x.stride(1), tiles,
-                                              M_PAD=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
-                                              num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
+                                              M_PAD=rows_pad(m), BLOCK_N=block_n, BLOCK_K=block_k,
+                                              PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
+                                              launch_pdl=prefetch_k > 0)
     return out

@@ -1,4 +1,4 @@
-"""``dsv4::linears`` on the GPU: the Triton kernel (up to 16 rows) against ``torch.mm`` at the
+"""``dsv4::linears`` on the GPU: the Triton kernel (up to 64 rows) against ``torch.mm`` at the
 benchmark model's projection shapes (the model step with and without its pass:
 ``test_fx_passes_gpu.py``)."""
 
@@ -18,7 +18,7 @@ def _assert_bf16_close(got, want):
     torch.testing.assert_close(got.float(), want.float(), atol=2 ** -7 * want.float().abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("rows", [1, 8, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 8, 16, 17, 40, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
 @torch.no_grad()
 def test_op_equals_mm(rows):
     g = torch.Generator(device="cuda").manual_seed(rows)
@@ -28,7 +28,7 @@ def test_op_equals_mm(rows):
         _assert_bf16_close(out, x @ w.T)
 
 
-@pytest.mark.parametrize("rows", [1, 8, kernels.MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 8, 17, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
 @torch.no_grad()
 def test_lone_products_of_deep_k_equal_mm(rows):
     """The products FuseSharedInputLinearsPass hands the op alone: o_b_proj (K 8192) and an

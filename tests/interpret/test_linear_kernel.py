@@ -1,10 +1,10 @@
 """The ``dsv4::linears`` and ``dsv4::grouped_linear`` kernels vs ``torch.mm`` / ``torch.bmm``
 (``ops/kernels/linear.py``), small shapes.
 
-Row counts 1 to 16, weights whose row counts leave a partial tile, one to eight weights a launch,
-a K that leaves a partial block, a strided x, no rows; for the grouped kernel, groups whose
-outputs leave a partial tile and an x whose groups are not adjacent in memory. The kernel accumulates in another order
-than ``torch.mm``, so results agree to one rounding of the output dtype. Under the interpreter the
+Row counts 1 to 64 (x padded to 16, 32 or 64 rows), weights whose row counts leave a partial tile,
+one to eight weights a launch, a K that leaves a partial block, a strided x, no rows; for the
+grouped kernel, groups whose outputs leave a partial tile and an x whose groups are not adjacent in
+memory. The kernel accumulates in another order than ``torch.mm``, so results agree to one rounding of the output dtype. Under the interpreter the
 kernel runs fp16 (its ``tl.dot`` misreads bf16 tiles there: see ``test_experts_kernel.py``)."""
 
 import os
@@ -24,7 +24,7 @@ def _close(got, want):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 5, kernels.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 5, 16, 17, 40, kernels.MAX_ROWS])
 @pytest.mark.parametrize("rows", [(40,), (16, 33, 8), tuple(range(9, 17))])
 def test_kernel_matches_mm(device, dtype, m, rows):
     gen = torch.Generator(device=device).manual_seed(m)
@@ -69,7 +69,7 @@ def test_op_on_device(device, m, count):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("m", [1, 6, kernels.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 6, 16, 17, kernels.MAX_ROWS])
 @pytest.mark.parametrize("groups, n", [(1, 16), (3, 40), (8, 8)])
 def test_grouped_kernel_matches_bmm(device, dtype, m, groups, n):
     gen = torch.Generator(device=device).manual_seed(m * groups)
@@ -81,13 +81,16 @@ def test_grouped_kernel_matches_bmm(device, dtype, m, groups, n):
 
 
 def test_grouped_strided_x_and_no_rows(device):
-    """x's groups 2 K apart (a slice of a wider tensor), default tile; no rows."""
-    x = torch.randn(5, 3, 2, 64, device=device).to(torch.float16)[:, :, 1]
+    """x's groups 2 K apart (a slice of a wider tensor), the default tiles of few and many rows; no
+    rows."""
     w = torch.randn(3 * 24, 64, device=device).to(torch.float16)
-    _close(kernels.launch_grouped_linear(x, w), torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(3, 24, 64)))
+    for m in (5, 40):
+        x = torch.randn(m, 3, 2, 64, device=device).to(torch.float16)[:, :, 1]
+        _close(kernels.launch_grouped_linear(x, w), torch.einsum("mgk,gnk->mgn", x.float(), w.float().view(3, 24, 64)))
     assert kernels.launch_grouped_linear(x[:0], w).shape == (0, 3, 24)
     with pytest.raises(ValueError, match="at most"):
-        kernels.launch_grouped_linear(torch.zeros(kernels.MAX_ROWS + 1, 3, 64, dtype=torch.float16, device=device), w)
+        kernels.launch_grouped_linear(torch.zeros(kernels.MAX_ROWS + 1, 3, 64, dtype=torch.float16,
+                                                  device=device), w)
 
 
 @pytest.mark.parametrize("m", [3, kernels.MAX_ROWS + 4])  # the kernel; torch.bmm
@@ -137,7 +140,7 @@ def test_weight_prefetch_changes_no_value(device):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("m", [1, 5, kernels.MAX_ROWS])
+@pytest.mark.parametrize("m", [1, 5, 16, 24, kernels.MAX_ROWS])
 @pytest.mark.parametrize("rows", [(40,), (16, 33, 8)])
 def test_split_k_matches_mm(device, m, rows):
     """K split over programs (each tile's last program sums the partials): the products of
@@ -162,3 +165,12 @@ def test_default_config_splits_only_small_groups_at_deep_k():
     assert kernels.default_config(4096, 4160) == (kernels.DEEP_K_CONFIG, False)  # CSA hidden
     assert kernels.default_config(1024, 1536) == (kernels.SHALLOW_K_CONFIG, False)
     assert kernels.default_config(4096, 129280) == (kernels.WIDE_CONFIG, False)
+
+
+def test_default_config_above_16_rows_by_depth_unsplit():
+    """From 17 rows of x the tile goes by K alone (a skinny GEMM's), never split."""
+    for rows in (8, 1536, 4160, 129280):
+        assert kernels.default_config(4096, rows, 17) == (kernels.MANY_ROWS_DEEP_K_CONFIG, False)
+        assert kernels.default_config(1024, rows, kernels.MAX_ROWS) == (kernels.MANY_ROWS_SHALLOW_K_CONFIG, False)
+    assert kernels.default_config(4096, 1536, 16) == (kernels.SPLIT_K_CONFIG, True)
+    assert [kernels.rows_pad(m) for m in (1, 16, 17, 32, 33, 64)] == [16, 16, 32, 32, 64, 64]
