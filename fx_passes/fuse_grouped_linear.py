@@ -7,7 +7,7 @@ the weight ``w [G N, K]`` are viewed as G batches and multiplied by ``bmm``, whi
 
 (``transpose`` in place of ``permute`` in a graph traced without Inductor's decompositions). At a
 decode step's few rows cuBLAS runs it as a batched split-K GEMV plus a reduction kernel; the op
-is one Triton launch over every group's column tiles up to 16 rows, the same ``bmm`` above (it
+is one Triton launch over every group's column tiles up to 64 rows, the same ``bmm`` above (it
 decides at run time, so dynamic token counts add no guard). The pass puts
 ``permute(grouped_linear(x, w), [1, 0, 2])`` in the product's place; the permutes the module
 applies after it then compose to the op's own layout.

@@ -7,7 +7,7 @@ after the attention, the router and the shared expert's ``gate_proj`` / ``up_pro
 ``w`` a graph input (the parameter). At a decode step's few rows each is a cuBLAS GEMV bound by
 latency rather than bytes (a split-K kernel plus a reduction kernel apiece). The pass replaces the
 matmuls of one ``x`` by one ``dsv4.linears(x, [w, ...])`` whose outputs take the matmuls' place:
-one launch on CUDA up to 16 rows, the same ``torch.mm`` calls above (the op decides at run time,
+one launch on CUDA up to 64 rows, the same ``torch.mm`` calls above (the op decides at run time,
 so dynamic token counts add no guard).
 
 Matched: two or more ``aten.mm`` of the same 2-D ``x`` by ``permute(w, [1, 0])`` (or ``t(w)``,
