@@ -8,8 +8,9 @@ of one input (a layer's query, key and compressor projections of the normed hidd
 here as one grid over every weight's column tiles: program ``p`` finds the weight whose tiles
 hold ``p``, streams ``BLOCK_N`` of its rows along K once and multiplies them with all rows of x at
 once on the tensor cores (x padded to 16, 32 or 64 rows). Up to :data:`MAX_WEIGHTS` weights a
-launch, each its own pointer argument (no pointer table to build, so the launch is CUDA-graph safe); a program
-selects its weight's pointers by value, so the kernel has one K loop whatever the weight count.
+launch, each its own pointer argument (no pointer table to build, so the launch is CUDA-graph
+safe); a program selects its weight's pointers by value, so the kernel has one K loop whatever the
+weight count.
 
 The grouped kernel runs the same K loop (:func:`_rows_product`) with group ``g`` of the input
 against rows ``[g N, (g + 1) N)`` of the weight, the groups' column tiles in one grid: in place of
