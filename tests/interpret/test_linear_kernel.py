@@ -37,11 +37,12 @@ def test_kernel_matches_mm(device, dtype, m, rows):
         _close(out, x @ w.T)
 
 
-def test_default_config_strided_x_unaligned_weight_and_no_rows(device):
+@pytest.mark.parametrize("m", [3, 40])  # the default tiles of few and of many rows
+def test_default_config_strided_x_unaligned_weight_and_no_rows(device, m):
     """x strided along K; a weight that is a contiguous view 2 bytes past an aligned address (the
     launcher copies it: the kernel assumes 16-byte aligned weights); no rows of x; a weight of no
     rows."""
-    x = torch.randn(3, 144, device=device).to(torch.float16)[:, ::2]
+    x = torch.randn(m, 144, device=device).to(torch.float16)[:, ::2]
     unaligned = torch.randn(7 * 72 + 1, device=device).to(torch.float16)[1:].view(7, 72)
     weights = [torch.randn(100, 72, device=device).to(torch.float16), unaligned]
     for out, w in zip(kernels.launch_linears(x, weights), weights):
@@ -49,7 +50,7 @@ def test_default_config_strided_x_unaligned_weight_and_no_rows(device):
     empty = kernels.launch_linears(x[:0], weights)
     assert [tuple(o.shape) for o in empty] == [(0, 100), (0, 7)]
     no_out = kernels.launch_linears(x, [weights[0][:0]])  # a weight of no rows: no program at all
-    assert no_out[0].shape == (3, 0)
+    assert no_out[0].shape == (m, 0)
 
 
 def test_limits():
