@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from contextlib import nullcontext
 
 import torch
 
@@ -58,7 +59,7 @@ GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile
               "compile-step-graphs-mm-above-16", "manual-graph")  # --profile / --host
 # --host: also back to back, and the graph alone
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16")
-# ways that capture their graphs under a kernel setting: the products of more than 16 rows through
+# ways measured (and so captured) under a kernel setting: the products of more than 16 rows through
 # cuBLAS, as before dsv4::linears took up to 64
 SETTINGS = {"compile-step-graphs-mm-above-16": lambda: linears_max_rows(16)}
 
@@ -177,10 +178,24 @@ def _manual_graph(stack, x, step):
     return run
 
 
-def _within(setting, fn, *args):
-    """``fn(*args)`` with ``setting()`` entered (a graph captured in it keeps its launches)."""
-    with setting():
-        return fn(*args)
+def _measure(row: dict, way: str, fn, compiled, x, step, weight_bytes: int, args) -> None:
+    """``way``'s figures at this step into ``row``: ``fn`` runs one step; ``compiled`` is the way's
+    compiled step (None for eager and manual-graph)."""
+    row[way] = _time(fn, args.iters)
+    row[f"{way}_tbps"] = weight_bytes / row[way] / 1e6
+    if args.host and way in GRAPH_WAYS:  # before profiling: the profiler slows later launches
+        row[f"{way}_host_us"] = host_us_per_call(fn, args.iters)
+    if args.host and way in STEP_GRAPH_WAYS:
+        # the host's cost in a stream of steps: the calls against their captured graph alone
+        row[f"{way}_back_to_back_us"] = _back_to_back(fn, args.iters)
+        row[f"{way}_replay_us"] = _back_to_back(compiled.graphs.captured(x, step).replay, args.iters)
+        # called with the graph's own static inputs: nothing copied
+        static_x, static_step, _ = compiled.graphs.static_inputs(x, step)
+        static_fn = lambda: compiled(static_x, static_step)  # noqa: E731
+        row[f"{way}_static_us"] = _time(static_fn, args.iters)
+        row[f"{way}_static_host_us"] = host_us_per_call(static_fn, args.iters)
+    if args.profile and way in GRAPH_WAYS:
+        row[f"{way}_profile"] = profile_steps(lambda n: [fn() for _ in range(n)], args.iters, top=8)
 
 
 def run(args) -> list[dict]:
@@ -214,26 +229,10 @@ def run(args) -> list[dict]:
                     fn = lambda s=stack: s(x, step, validate=False)  # noqa: E731
                 elif way == "manual-graph":
                     fn = _manual_graph(stack, x, step)
-                elif way in SETTINGS:
-                    fn = lambda c=compiled[way], setting=SETTINGS[way]: _within(setting, c, x, step)  # noqa: E731
                 else:
                     fn = lambda c=compiled[way]: c(x, step)  # noqa: E731
-                row[way] = _time(fn, args.iters)
-                row[f"{way}_tbps"] = weight_bytes / row[way] / 1e6
-                if args.host and way in GRAPH_WAYS:  # before profiling: the profiler slows later launches
-                    row[f"{way}_host_us"] = host_us_per_call(fn, args.iters)
-                if args.host and way in STEP_GRAPH_WAYS:
-                    # the host's cost in a stream of steps: the calls against their captured graph alone
-                    row[f"{way}_back_to_back_us"] = _back_to_back(fn, args.iters)
-                    row[f"{way}_replay_us"] = _back_to_back(compiled[way].graphs.captured(x, step).replay, args.iters)
-                    # called with the graph's own static inputs: nothing copied
-                    static_x, static_step, _ = compiled[way].graphs.static_inputs(x, step)
-                    static_fn = lambda c=compiled[way]: c(static_x, static_step)  # noqa: E731
-                    row[f"{way}_static_us"] = _time(static_fn, args.iters)
-                    row[f"{way}_static_host_us"] = host_us_per_call(static_fn, args.iters)
-                if args.profile and way in GRAPH_WAYS:
-                    prof = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
-                    row[f"{way}_profile"] = prof
+                with SETTINGS.get(way, nullcontext)():
+                    _measure(row, way, fn, compiled.get(way), x, step, weight_bytes, args)
             row["floor_us"] = floor_us
             base = row.get("manual-graph")
             print(f"ctx {context:>7} b {b:>4}  floor {floor_us:.1f}us  " + "  ".join(

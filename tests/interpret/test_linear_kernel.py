@@ -4,8 +4,9 @@
 Row counts 1 to 64 (x padded to 16, 32 or 64 rows), weights whose row counts leave a partial tile,
 one to eight weights a launch, a K that leaves a partial block, a strided x, no rows; for the
 grouped kernel, groups whose outputs leave a partial tile and an x whose groups are not adjacent in
-memory. The kernel accumulates in another order than ``torch.mm``, so results agree to one rounding of the output dtype. Under the interpreter the
-kernel runs fp16 (its ``tl.dot`` misreads bf16 tiles there: see ``test_experts_kernel.py``)."""
+memory. The kernel accumulates in another order than ``torch.mm``, so results agree to one
+rounding of the output dtype. Under the interpreter the kernel runs fp16 (its ``tl.dot`` misreads
+bf16 tiles there: see ``test_experts_kernel.py``)."""
 
 import os
 
