@@ -43,6 +43,21 @@ def traced_value(arg: object) -> object:
     return arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None
 
 
+def op_calls(graph: torch.fx.Graph, op: torch._ops.OpOverloadPacket) -> list[torch.fx.Node]:
+    """The nodes calling ``op``: Dynamo's graph records the packet, or an overload named; a
+    post-grad graph the overload."""
+    return [*graph.find_nodes(op="call_function", target=op), *graph.find_nodes(op="call_function", target=op.default)]
+
+
+def call_arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket) -> dict:
+    """The arguments of ``node``, a call of ``op``, by name, defaults included."""
+    schema = op.default._schema.arguments
+    named = {a.name: a.default_value for a in schema if a.has_default_value()}
+    named.update(zip((a.name for a in schema), node.args))
+    named.update(node.kwargs)
+    return named
+
+
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
     """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
     with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in

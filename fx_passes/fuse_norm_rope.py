@@ -42,7 +42,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from .. import ops  # noqa: F401  (registers dsv4::rms_norm_rope)
 from ..ops.norm_rope import DTYPES
 from ..reference.functional import rms_norm, rope_tail
-from .base import OnDevicesPass, traced_value
+from .base import OnDevicesPass, call_arguments, op_calls, traced_value
 
 _EPS = 1e-6  # traced value of the norms' eps; the pattern takes any (scalar_workaround)
 _HF_MODULE = "transformers.models.deepseek_v4.modeling_deepseek_v4"
@@ -169,20 +169,6 @@ def _device_of(node: torch.fx.Node) -> str | None:
     return val.device.type if isinstance(val, torch.Tensor) else None
 
 
-def _calls(graph: torch.fx.Graph, op: torch._ops.OpOverloadPacket) -> list[torch.fx.Node]:
-    """The nodes of Dynamo's graph calling ``op``: it records the packet, or an overload named."""
-    return [*graph.find_nodes(op="call_function", target=op), *graph.find_nodes(op="call_function", target=op.default)]
-
-
-def _arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket) -> dict:
-    """The arguments of ``node``, a call of ``op``, by name, defaults included."""
-    schema = op.default._schema.arguments
-    named = {a.name: a.default_value for a in schema if a.has_default_value()}
-    named.update(zip((a.name for a in schema), node.args))
-    named.update(node.kwargs)
-    return named
-
-
 class FuseNormRopePass(OnDevicesPass):
     def apply_pre_grad(self, graph: torch.fx.Graph) -> int:
         """``rope_tail(rms_norm(x, weight, eps), positions, inv_freq)`` calls in Dynamo's graph,
@@ -190,7 +176,7 @@ class FuseNormRopePass(OnDevicesPass):
         ``[T, D]`` at ``positions [T]``, a query ``[T, H, D]`` at ``positions.unsqueeze(1)``):
         one ``rms_norm_rope`` call each."""
         matches = 0
-        for rope in _calls(graph, _ROPE_OP):
+        for rope in op_calls(graph, _ROPE_OP):
             chain = self._fusable_chain(rope)
             if chain is None:
                 continue
@@ -209,12 +195,12 @@ class FuseNormRopePass(OnDevicesPass):
     def _fusable_chain(self, rope: torch.fx.Node) -> tuple[tuple, list[torch.fx.Node]] | None:
         """``rms_norm_rope``'s arguments for the chain ending in ``rope`` and the nodes it reads
         that the fused call does not, or None."""
-        r = _arguments(rope, _ROPE_OP)
+        r = call_arguments(rope, _ROPE_OP)
         norm = r["x"]
         if r["inverse"] is not False or not (isinstance(norm, torch.fx.Node) and len(norm.users) == 1
                                              and norm.target in (_NORM_OP, _NORM_OP.default)):
             return None
-        n = _arguments(norm, _NORM_OP)
+        n = call_arguments(norm, _NORM_OP)
         x, positions = traced_value(n["x"]), r["positions"]
         if not (isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in self.devices
                 and x.dim() in (2, 3)):

@@ -9,9 +9,11 @@ benchmarks/README.md, "Hyper-connections"), the shared-input linear fusion (the 
 model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels; with lone products of
 K >= 4096 12 µs less GPU time a step), the grouped ``o_a_proj`` as one launch (4 µs a step at
 b = 8), the norm + RoPE fusion (docs/compile.md, "The norm + RoPE fusion pass") and, after it,
-the key's cache write folded into its norm + RoPE (one launch less a layer), and last the mutating
-ops called in place where Inductor would call them so (no launch saved: compile time). Another list is
-given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
+the key's cache write folded into its norm + RoPE (one launch less a layer), the mutating ops called
+in place where Inductor would call them so (no launch saved: compile time), and after them each
+compressor's cache write folded into the compressor (one launch less a compressor; in Dynamo's
+graph already when the pre-grad stage runs). Another list is given by name, e.g.
+``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_entry_store import FuseEntryStorePass
 from .fuse_grouped_linear import FuseGroupedLinearPass
 from .fuse_key_store import FuseKeyStorePass
 from .fuse_norm_rope import FuseNormRopePass
@@ -38,7 +41,7 @@ def default_passes(devices: Sequence[str] | None = None) -> list[DSV4InductorPas
     graph as a CUDA one is, to test the rewrite or time its compile where there is no GPU."""
     on = {} if devices is None else {"devices": tuple(devices)}
     return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(**on), FuseGroupedLinearPass(**on),
-            FuseNormRopePass(**on), FuseKeyStorePass(**on), InplaceMutationsPass(**on)]
+            FuseNormRopePass(**on), FuseKeyStorePass(**on), InplaceMutationsPass(**on), FuseEntryStorePass(**on)]
 
 
 class DSV4PassManager(DSV4InductorPass):

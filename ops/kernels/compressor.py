@@ -13,13 +13,17 @@ Two launches, because a long prefill writes ring rows that other rows of the sam
   into the fp32 buffer ``pooled [T, d]``; other rows are skipped. (``_pool_window``: one window.)
 * ``_entry_kernel`` (grid ``[T]``): window rows read their pooled row and apply ``bf16 ->
   RMSNorm * w -> bf16 -> RoPE -> bf16 [-> Hadamard -> bf16]``, the same rounding points as the
-  reference; other rows store zeros (their out slot is -1: never stored). Rows among their
+  reference; other rows' entries are zeros (their out slot is -1: never stored). Rows among their
   request's last ``ring`` positions also write ``[kv | score + ape]`` to ring row
   ``req * ring + p % ring`` (loaded first, so those loads overlap the entry's).
 
 Out of range (docs/semantics.md §6): with ``R = state rows / ring``, a row of a request row outside
 ``[0, R)`` reads no ring row (such slots weigh 0, as positions before 0 do) and writes none, nor
 does a row at a negative position; an in-step slot whose row falls outside ``[0, T)`` weighs 0.
+
+``launch_compress_kv_store`` runs the same two kernels with the cache write in the entry kernel:
+its entry goes from registers to the row's slot, quantised by ``store_kv``'s (d = 512) or
+``store_index_k``'s (d = 128) helpers, instead of to ``out``.
 
 Decode-sized launches use programmatic dependent launch (``launch_compress_kv``'s ``pdl``), so
 the entry kernel's programs start and load their inputs while the pool drains.
@@ -42,7 +46,9 @@ import triton
 import triton.language as tl
 
 from ...reference.compressor import window_slots
+from ...config import HEAD_DIM, INDEX_HEAD_DIM
 from .host import INTERPRET, has_pdl, unit_stride
+from .kv_cache import check_page_rows, key_store_constants, model1_slot_ptrs, store_index_key, store_model1_key
 from .primitives import dependent_launch, hadamard_pm1, softmax_rescale, to_bf16
 
 _DECODE_MAX_ROWS = 1024  # decode / verify batches (PDL, pool shapes); prefills above
@@ -125,12 +131,17 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
 
 @triton.jit
 def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_ptr, w_ptr,
-                  inv_freq_ptr, pooled_ptr, out_ptr, eps, num_reqs, stride_kv, stride_score, stride_ape,
-                  stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
+                  inv_freq_ptr, pooled_ptr, out_ptr, cache_ptr, slots_ptr, capacity, stride_page, eps, num_reqs,
+                  stride_kv, stride_score, stride_ape, stride_state, stride_out, D: tl.constexpr, WC: tl.constexpr,
                   RATIO: tl.constexpr, RING: tl.constexpr, ROTATE: tl.constexpr, HSCALE: tl.constexpr,
-                  SOFT_BF16: tl.constexpr, PDL: tl.constexpr):
-    """Entry ``out[row] [d] bf16`` from ``pooled[row]``, then the row's ring write (none at a
-    negative position or for a request row outside ``[0, num_reqs)``)."""
+                  SOFT_BF16: tl.constexpr, PDL: tl.constexpr, STORE: tl.constexpr, PAGE: tl.constexpr,
+                  DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr, NOPE: tl.constexpr, ROPE: tl.constexpr,
+                  TILE: tl.constexpr, NUM_TILES: tl.constexpr, FP8_MAX: tl.constexpr, EPS: tl.constexpr,
+                  BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Entry ``[d] bf16`` of ``row`` from ``pooled[row]`` — into ``out[row]``, or with ``STORE``
+    quantised into the cache at ``slots[row]`` as ``store_kv`` (d = 512) / ``store_index_k`` (d =
+    128) write it — then the row's ring write (none at a negative position or for a request row
+    outside ``[0, num_reqs)``)."""
     row = tl.program_id(0)
     r64 = row.to(tl.int64)
     p = tl.load(seq_ptr + row).to(tl.int32) - 1  # the three scalar loads issue together
@@ -145,7 +156,6 @@ def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_p
     if PDL:  # the pool has read the ring and written pooled past the wait (its inputs, loaded above, were final)
         tl.extra.cuda.gdc_wait()
     k = tl.arange(0, D // 2)
-    out_row = out_ptr + r64 * stride_out
     if (p + 1) % RATIO == 0:
         # every load first (the compiler keeps source order around the norm's reductions)
         ev = tl.load(pooled_ptr + r64 * D + 2 * k)
@@ -172,12 +182,22 @@ def _entry_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, end_p
             s_od = (ev.to(tl.float32) - od.to(tl.float32))[:, None]
             ev = to_bf16(tl.sum(s_ev * hm, axis=0) * HSCALE, SOFT_BF16)
             od = to_bf16(tl.sum(s_od * hm, axis=0) * HSCALE, SOFT_BF16)
+    else:  # no window completes here: the entry is unspecified (its out slot is -1); keep it finite
+        ev = tl.zeros([D // 2], dtype=tl.bfloat16)
+        od = tl.zeros([D // 2], dtype=tl.bfloat16)
+    if STORE:  # channel 2k + b of the entry is (ev, od)[b][k]
+        if D == NOPE + ROPE:
+            x = tl.reshape(tl.join(ev, od), [8, TILE]).to(tl.float32)
+            valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, r64, capacity, stride_page, PAGE,
+                                                          DATA_BYTES, SCALE_BYTES)
+            store_model1_key(data_ptr, scale_ptr, x, valid, NOPE, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
+        else:
+            store_index_key(cache_ptr, slots_ptr, r64, capacity, stride_page,
+                            tl.reshape(tl.join(ev, od), [D]).to(tl.float32), PAGE, D, FP8_MAX, EPS, SOFT_FP8)
+    else:
+        out_row = out_ptr + r64 * stride_out
         tl.store(out_row + 2 * k, ev)
         tl.store(out_row + 2 * k + 1, od)
-    else:  # no window completes here: the row is never stored; keep it finite
-        zero = tl.zeros([D // 2], dtype=tl.bfloat16)
-        tl.store(out_row + 2 * k, zero)
-        tl.store(out_row + 2 * k + 1, zero)
     dst = state_ptr + (req * RING + p % RING) * stride_state
     tl.store(dst + c, kv, mask=keep)
     tl.store(dst + WC + c, sc, mask=keep)
@@ -234,21 +254,48 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
     decode: c4 6.2 -> 5.0 µs, c4 indexer 5.9 -> 4.8, c128 8.4 -> 7.5; a 4096-row prefill is
     faster without it).
     """
+    out = torch.empty(kv.shape[0], norm_weight.shape[0], dtype=torch.bfloat16, device=kv.device)
+    _launch(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
+            ratio, ring, rotate, eps, pdl, out=out)
+    return out
+
+
+def launch_compress_kv_store(state: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
+                             score: torch.Tensor, ape: torch.Tensor, req_of_row: torch.Tensor,
+                             seq_lens_causal: torch.Tensor, extend_start: torch.Tensor, extend_end: torch.Tensor,
+                             norm_weight: torch.Tensor, inv_freq: torch.Tensor, ratio: int, ring: int, rotate: bool,
+                             eps: float, page_size: int, *, pdl: bool | None = None) -> None:
+    """:func:`launch_compress_kv`, each row's entry quantised and written at ``slots[row]`` (int32 /
+    int64 ``[T]``; outside ``[0, N_pages * P)``: skipped) of ``cache [N_pages, Nb] uint8`` by the
+    entry kernel itself, as ``launch_store_kv`` (d = 512, MODEL1 tokens) or
+    ``launch_store_index_k`` (d = 128, indexer keys) writes it: the entries never go to memory."""
+    check_page_rows("compress_kv_store", cache)
+    _launch(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
+            ratio, ring, rotate, eps, pdl, store=(cache, slots.contiguous(), page_size))
+
+
+def _launch(state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight, inv_freq,
+            ratio: int, ring: int, rotate: bool, eps: float, pdl: bool | None, *, out: torch.Tensor | None = None,
+            store: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+    """The pool and entry kernels, the entries into ``out`` or, given ``store = (cache, slots,
+    page_size)``, into the cache."""
     num_rows, wc = kv.shape
     d = norm_weight.shape[0]
     if d & (d - 1) or d < 64:
         raise ValueError(f"compress_kv kernel: d={d} must be a power of two >= 64")
     if rotate and d > 128:
         raise ValueError(f"compress_kv kernel: rotate needs d <= 128, got {d}")
+    if store is not None and d not in (HEAD_DIM, INDEX_HEAD_DIM):
+        raise ValueError(f"compress_kv kernel: a stored entry is a MODEL1 key ({HEAD_DIM}) or an indexer key "
+                         f"({INDEX_HEAD_DIM}), got d={d}")
     if state.stride(-1) != 1:
         raise ValueError("compress_kv kernel: state must have a unit last-dim stride")
+    if num_rows == 0:
+        return
     kv, score, ape = unit_stride(kv), unit_stride(score), unit_stride(ape)
     req_of_row, seq_lens_causal = req_of_row.contiguous(), seq_lens_causal.contiguous()
     extend_start, extend_end = extend_start.contiguous(), extend_end.contiguous()
     norm_weight, inv_freq = norm_weight.contiguous(), inv_freq.contiguous()
-    out = torch.empty(num_rows, d, dtype=torch.bfloat16, device=kv.device)
-    if num_rows == 0:
-        return out
     if pdl is None:
         pdl = num_rows <= _DECODE_MAX_ROWS and has_pdl(kv.device)
     slots = window_slots(ratio)
@@ -260,10 +307,13 @@ def launch_compress_kv(state: torch.Tensor, kv: torch.Tensor, score: torch.Tenso
         kv, score, ape, state, req_of_row, seq_lens_causal, extend_start, pooled, num_rows, num_reqs, *strides, D=d,
         WC=wc, RATIO=ratio, RING=ring, S=slots, SB=pool.slot_block, CB=pool.channels, G=pool.rows, PDL=pdl,
         num_warps=pool.warps, launch_pdl=pdl)
+    cache, cache_slots, page_size = store if store is not None else (None, None, 1)
+    capacity, stride_page = (cache.shape[0] * page_size, cache.stride(0)) if store is not None else (0, 0)
     _entry_kernel[(num_rows,)](kv, score, ape, state, req_of_row, seq_lens_causal, extend_end,
-                               norm_weight, inv_freq, pooled, out, eps, num_reqs, *strides, out.stride(0), D=d, WC=wc,
+                               norm_weight, inv_freq, pooled, out, cache, cache_slots, capacity, stride_page, eps,
+                               num_reqs, *strides, out.stride(0) if out is not None else 0, D=d, WC=wc,
                                RATIO=ratio, RING=ring, ROTATE=rotate, HSCALE=1.0 / math.sqrt(d),
-                               SOFT_BF16=INTERPRET, PDL=pdl,
+                               SOFT_BF16=INTERPRET, PDL=pdl, STORE=store is not None, PAGE=page_size,
+                               **key_store_constants(d),
                                num_warps=max(2, d // 128),  # fewest instructions
                                launch_pdl=pdl)
-    return out

@@ -73,6 +73,18 @@ def store_model1_nope(data_ptr, scale_ptr, x, valid, TILE: tl.constexpr, NUM_TIL
 
 
 @triton.jit
+def store_model1_key(data_ptr, scale_ptr, x, valid, NOPE: tl.constexpr, TILE: tl.constexpr, NUM_TILES: tl.constexpr,
+                     FP8_MAX: tl.constexpr, EPS: tl.constexpr, BIAS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """A whole key ``x [8, TILE] fp32`` holding bf16 values (:func:`model1_tiles`' layout, the rope
+    tile last) written as a MODEL1 token at ``data_ptr`` / ``scale_ptr`` if ``valid``: the nope
+    tiles by :func:`store_model1_nope`, the rope tile as its bf16 values (exact)."""
+    is_rope = tl.arange(0, 8) == NUM_TILES
+    store_model1_nope(data_ptr, scale_ptr, x, valid, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
+    tl.store(model1_rope_ptr(data_ptr, NOPE) + (model1_tiles(TILE) - NOPE), x.to(tl.bfloat16),
+             mask=is_rope[:, None] & valid)
+
+
+@triton.jit
 def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, stride_kn, stride_kd,
                      PAGE: tl.constexpr, DATA_BYTES: tl.constexpr, SCALE_BYTES: tl.constexpr,
                      NOPE: tl.constexpr, ROPE: tl.constexpr, TILE: tl.constexpr,
@@ -82,15 +94,13 @@ def _store_kv_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, stride_
     if that slot is in ``[0, capacity)``."""
     tl.static_assert(NOPE + ROPE == 8 * TILE)  # the key is seen as 8 tiles: 7 nope + rope
     tl.static_assert(SCALE_BYTES == 8)  # 7 scales + the pad byte, one per tile
+    tl.static_assert(ROPE == TILE)
     row = tl.program_id(0).to(tl.int64)
     valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
                                                   DATA_BYTES, SCALE_BYTES)
 
     x = tl.load(k_ptr + row * stride_kn + model1_tiles(TILE) * stride_kd).to(tl.float32)
-    store_model1_nope(data_ptr, scale_ptr, x, valid, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
-    r = tl.arange(0, ROPE)
-    rope = tl.load(k_ptr + row * stride_kn + (NOPE + r) * stride_kd)
-    tl.store(model1_rope_ptr(data_ptr, NOPE) + r, rope, mask=valid)
+    store_model1_key(data_ptr, scale_ptr, x, valid, NOPE, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
 
 
 @triton.jit
@@ -128,13 +138,20 @@ def _store_index_k_kernel(cache_ptr, slots_ptr, k_ptr, capacity, stride_page, st
     """Row n of ``k [N, 128]`` -> fp8 values + fp32 scale of indexer slot ``slots[n]``
     (docs/semantics.md §2.3), if that slot is in ``[0, capacity)``."""
     row = tl.program_id(0).to(tl.int64)
+    v = tl.load(k_ptr + row * stride_kn + tl.arange(0, DIM) * stride_kd).to(tl.float32)
+    store_index_key(cache_ptr, slots_ptr, row, capacity, stride_page, v, PAGE, DIM, FP8_MAX, EPS, SOFT_FP8)
+
+
+@triton.jit
+def store_index_key(cache_ptr, slots_ptr, row, capacity, stride_page, v, PAGE: tl.constexpr, DIM: tl.constexpr,
+                    FP8_MAX: tl.constexpr, EPS: tl.constexpr, SOFT_FP8: tl.constexpr):
+    """Indexer key ``v [DIM] fp32`` -> fp8 values + fp32 scale of indexer slot ``slots[row]``
+    (docs/semantics.md §2.3), if that slot is in ``[0, capacity)``."""
     valid, page, off = _slot_page(slots_ptr, row, capacity, PAGE)
     page_ptr = cache_ptr + page * stride_page
-    d = tl.arange(0, DIM)
-    v = tl.load(k_ptr + row * stride_kn + d * stride_kd).to(tl.float32)
     sigma = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=0), EPS), FP8_MAX)
     fp8 = to_e4m3_bits(tl.clamp(tl.math.div_rn(v, sigma), -FP8_MAX, FP8_MAX), SOFT_FP8)
-    tl.store(page_ptr + off * DIM + d, fp8, mask=valid)
+    tl.store(page_ptr + off * DIM + tl.arange(0, DIM), fp8, mask=valid)
     scale_ptr = (page_ptr + PAGE * DIM + off * 4).to(tl.pointer_type(tl.float32))  # 4-aligned
     tl.store(scale_ptr, sigma, mask=valid)
 
@@ -152,6 +169,14 @@ def model1_constants() -> dict:
 def model1_store_constants() -> dict:
     """:func:`model1_constants` and the quantisation's constants, for a kernel that writes keys."""
     return dict(**model1_constants(), FP8_MAX=layout.FP8_MAX, EPS=layout.MODEL1_SCALE_EPS, SOFT_FP8=INTERPRET)
+
+
+def key_store_constants(key_dim: int) -> dict:
+    """The constants of a kernel that writes keys of ``key_dim`` elements, MODEL1 tokens (512:
+    :func:`store_model1_key`) or indexer keys (128: :func:`store_index_key`), under one set of
+    names: :func:`model1_store_constants`, with the indexer's scale floor as ``EPS`` for 128."""
+    eps = layout.MODEL1_SCALE_EPS if key_dim == HEAD_DIM else layout.INDEX_SCALE_EPS
+    return dict(model1_store_constants(), EPS=eps)
 
 
 def launch_store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:

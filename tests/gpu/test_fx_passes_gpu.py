@@ -1,12 +1,15 @@
 """Model-level passes on the GPU: a decode step of the 4-layer test model compiled with the default
 passes against the same step compiled with them less one pass. Each pass matches its count and
-the logits agree within bf16 rounding (the fused ops round and sum in other orders)."""
+the logits agree within bf16 rounding (the fused ops round and sum in other orders); where the
+fused op computes what the unfused ones do (the compressors' cache writes), the caches are equal
+byte for byte too."""
 
 import pytest
 import torch
 
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseEntryStorePass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -19,9 +22,11 @@ pytestmark = pytest.mark.gpu
 # pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers' normed hidden
 # states + the 2 CSA layers' query latents; the MoE's router is alone, its shared expert running in
 # dsv4::moe_experts, and no lone product has K >= 4096 at hidden 256); the norm + RoPE chains (4
-# layers x query and key); the keys' cache writes (4 layers). (Each layer calls its grouped o_a_proj
+# layers x query and key); the keys' cache writes (4 layers); the compressors' cache writes (2 CSA
+# layers x attention and indexer compressor, 1 HCA layer). (Each layer calls its grouped o_a_proj
 # as dsv4::grouped_linear itself: FuseGroupedLinearPass has nothing to rewrite here.)
-MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4)]
+MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5)]
+EXACT = (FuseEntryStorePass,)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -37,7 +42,7 @@ def test_compiled_model_step_with_and_without(pass_type, matches):
     decode = StepInputs.make(ForwardMode.DECODE, rows, [41, 31], [1, 1],
                              torch.cat([backend.allocator.extend(r, 1) for r in rows]), device="cuda")
     tokens, logit_rows = ids[:2], torch.arange(2, device="cuda")
-    outs = {}
+    outs, written = {}, {}
     fused = default_passes()
     tested = [p for p in fused if isinstance(p, pass_type)]
     assert len(tested) == 1
@@ -45,8 +50,11 @@ def test_compiled_model_step_with_and_without(pass_type, matches):
         saved = [t.clone() for t in backend.cache.buffers()]
         with fresh_compile_state():
             outs[name] = compile_step(backend, passes=DSV4PassManager(chosen))(tokens, decode, logit_rows).float()
+        written[name] = [t.clone() for t in backend.cache.buffers()]
         for t, s in zip(backend.cache.buffers(), saved):
             t.copy_(s)
     assert tested[0].matched_count == matches
     scale = outs["unfused"].abs().max().item()
     torch.testing.assert_close(outs["fused"], outs["unfused"], atol=0.05 * scale, rtol=0)
+    if pass_type in EXACT:
+        assert all(torch.equal(f, u) for f, u in zip(written["fused"], written["unfused"]))

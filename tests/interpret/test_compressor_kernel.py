@@ -9,13 +9,17 @@ Checks, for c4 (d = 128 with and without the Hadamard, d = 512) and c128 (d = 51
 * decode with padding rows and the first window (slots before position 0), verify (several rows
   of a request in one step), prefills longer than the ring (a row writes a ring row that another
   row of the same step still reads: the ring must be read before it is written), and a sequence
-  of steps carrying the state.
+  of steps carrying the state;
+* the entry kernel writing the cache itself (``launch_compress_kv_store``) writes the bytes the
+  entries written by ``store_kv`` / ``store_index_k``'s kernels are, and the same ring.
 """
 
 import pytest
 import torch
 
-from dsv4_compile.ops.kernels.compressor import launch_compress_kv
+from dsv4_compile import layout
+from dsv4_compile.ops.kernels.compressor import launch_compress_kv, launch_compress_kv_store
+from dsv4_compile.ops.kernels.kv_cache import launch_store_index_k, launch_store_kv
 from dsv4_compile.reference import compressor as ref_compressor
 from dsv4_compile.testing import compress_index as inputs
 
@@ -89,3 +93,31 @@ def test_compress_kv_reads_half_precision_projections(device, ratio, d, scenario
         else:
             torch.testing.assert_close(got, want, atol=2 ** -8 * want.abs().max().item(), rtol=0)
         assert torch.equal(half["state"][ring:], wide["state"][ring:]), run.__name__
+
+
+@pytest.mark.parametrize("ratio,d,scenario", [(4, 128, "verify"), (4, 512, "decode"), (128, 512, "verify")])
+def test_compress_kv_store_writes_the_stored_entries(device, ratio, d, scenario):
+    """One launch pair writing the cache (d = 128: indexer keys, d = 512: MODEL1 tokens) against
+    ``compress_kv``'s kernels then the cache write's: the same cache, byte for byte, from canary
+    bytes, and the same ring. Slots: window rows at scattered slots, a row at -1, one past the
+    cache, and rows completing no window at valid slots (they write their entry, zeros, as the
+    two launches do)."""
+    seq, ext, num_tokens = SCENARIOS[ratio][scenario]
+    gen = torch.Generator(device=device).manual_seed(11 * ratio + d)
+    args = inputs.compressor_args(ratio, d, seq, ext, gen, num_tokens=num_tokens, ring=16 if ratio == 4 else 128)
+    page_size, num_pages = 4, 4
+    page_bytes = layout.model1_page_bytes(page_size) if d == 512 else layout.index_page_bytes(page_size)
+    store = launch_store_kv if d == 512 else launch_store_index_k
+    t = args["kv"].shape[0]
+    slots = torch.randperm(num_pages * page_size, generator=gen, device=device)[:t]
+    slots[1], slots[-1] = -1, num_pages * page_size  # skipped: negative, past the cache
+    windows = args["seq_lens_causal"] % ratio == 0
+    assert windows[2:-1].any() and not windows[2:-1].all()
+    cache = torch.randint(0, 256, (num_pages, page_bytes), generator=gen, device=device, dtype=torch.uint8)
+    want, got = cache.clone(), cache.clone()
+    state_want, state_got = args["state"].clone(), args["state"].clone()
+    store(want, slots, launch_compress_kv(**dict(args, state=state_want)), page_size)
+    launch_compress_kv_store(**dict(args, state=state_got), cache=got, slots=slots, page_size=page_size)
+    assert not torch.equal(want, cache)
+    assert torch.equal(got, want)
+    assert torch.equal(state_got, state_want)

@@ -80,6 +80,28 @@ def test_compress_kv(state, layer_id, step_name, index):
                                layer.inv_freq, comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps))
 
 
+def _compress_kv_store_args(state, layer_id: int, step_name: str, index: bool) -> tuple:
+    """``compress_kv_store``'s arguments for a layer's attention (``index=False``) or indexer
+    compressor at a step: its state and compressed cache, the step's out slots."""
+    eng, cache, _, metas = state
+    layer, lc, meta = eng.stack.layers[layer_id], cache.layers[layer_id], metas[step_name]
+    comp = layer.indexer.compressor if index else layer.compressor
+    state_buf = lc.index_state if index else lc.kv_state
+    cache_buf, page_size = (lc.index_k, layout.INDEX_PAGE_SIZE) if index else (lc.extra_kv, lc.extra_page_size)
+    slots = meta.c4_out_loc if comp.ratio == 4 else meta.c128_out_loc
+    with torch.no_grad():
+        kv, score = comp.project(torch.randn(meta.positions.shape[0], TINY.hidden_size).bfloat16())
+    return (state_buf.clone(), cache_buf.clone(), slots, kv, score, comp.ape.detach(), meta.req_of_row,
+            meta.seq_lens_causal, meta.extend_start, meta.extend_end, comp.norm.detach(), layer.inv_freq, comp.ratio,
+            lc.ring, comp.rotate, TINY.rms_norm_eps, page_size)
+
+
+@pytest.mark.parametrize("layer_id, step_name, index", [(1, "decode", False), (1, "extend_padded", True),
+                                                        (2, "extend_padded", False)])
+def test_compress_kv_store(state, layer_id, step_name, index):
+    _opcheck(ops.compress_kv_store, _compress_kv_store_args(state, layer_id, step_name, index))
+
+
 @pytest.mark.parametrize("step_name", ["decode", "extend_padded"])
 def test_indexer_ops(state, step_name):
     eng, cache, _, metas = state
@@ -261,6 +283,7 @@ def _calls(state) -> dict[str, tuple]:
         "compress_kv": (lc.kv_state.clone(), kv.detach(), score.detach(), comp.ape.detach(), meta.req_of_row,
                         meta.seq_lens_causal, meta.extend_start, meta.extend_end, comp.norm.detach(), layer.inv_freq,
                         comp.ratio, lc.ring, comp.rotate, TINY.rms_norm_eps),
+        "compress_kv_store": _compress_kv_store_args(state, 1, "decode", index=True),
         "indexer_prepare_q": (torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1),
         "indexer_topk": (q_fp8, w, lc.index_k, meta.page_table, meta.c4_visible, 64),
         "sparse_attn": op_args(torch.randn(t, TINY.num_heads, 512).bfloat16(),
@@ -283,9 +306,9 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts", "router_topk", "linears",
-           "grouped_linear", "rms_norm", "rope_tail", "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head",
-           "hc_post", "hc_post_pre"]
+           "compress_kv_store", "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts",
+           "router_topk", "linears", "grouped_linear", "rms_norm", "rope_tail", "rms_norm_rope",
+           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
