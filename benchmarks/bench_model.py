@@ -81,6 +81,9 @@ orders or in separate processes):
     compiled_step_graphs_entry_store_apart  whole-step graphs without ``FuseEntryStorePass`` (each
                    compressor's entries written by a ``store_kv`` / ``store_index_k`` launch of their
                    own, not by ``dsv4::compress_kv_store``'s entry kernel); not in the default ``--ways``
+    compiled_step_graphs_rotation_apart  whole-step graphs without ``FuseAttentionInverseRopePass``
+                   (each attention output rotated back by a ``rope_tail`` launch before its grouped
+                   product, not in the attention's split combine); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -124,8 +127,9 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseEntryStorePass, FuseKeyStorePass, FuseNormRopePass,
-                                    FuseSharedInputLinearsPass, ReplaceShortTopkPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
+                                    FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
+                                    ReplaceShortTopkPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -162,7 +166,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
         "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
         "compiled_step_graphs_switches_on",
-        "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart")
+        "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
+        "compiled_step_graphs_rotation_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -603,6 +608,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
                                          _step_graphs),
     "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     "compiled_step_graphs_entry_store_apart": (None, _with_passes(_without(FuseEntryStorePass), cuda_graphs="step")),
+    "compiled_step_graphs_rotation_apart":
+        (None, _with_passes(_without(FuseAttentionInverseRopePass), cuda_graphs="step")),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }
 

@@ -21,6 +21,9 @@ Ways (the same stack, cache and step tensors):
                      cuBLAS (``torch.mm``) instead of ``dsv4::linears``' kernel
     compile-step-graphs-entry-store-apart  compile-step-graphs without ``FuseEntryStorePass``: each
                      compressor's entries written by a launch of their own, not by its entry kernel
+    compile-step-graphs-rotation-apart  compile-step-graphs without ``FuseAttentionInverseRopePass``:
+                     each attention output rotated back by a launch before its product, not in the
+                     attention's split combine
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -54,20 +57,28 @@ from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardM
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
-from dsv4_compile.fx_passes import DSV4PassManager, FuseEntryStorePass
+from dsv4_compile.fx_passes import DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call, linears_max_rows,
                                         profile_steps)
 
 GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl",
               "compile-step-graphs-mm-above-16", "compile-step-graphs-entry-store-apart",
-              "manual-graph")  # --profile / --host
+              "compile-step-graphs-rotation-apart", "manual-graph")  # --profile / --host
 # --host: also back to back, and the graph alone
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16",
-                   "compile-step-graphs-entry-store-apart")
+                   "compile-step-graphs-entry-store-apart", "compile-step-graphs-rotation-apart")
+# ways with whole-step graphs compiled with the default passes less one
+WITHOUT_PASS = {"compile-step-graphs-entry-store-apart": FuseEntryStorePass,
+                "compile-step-graphs-rotation-apart": FuseAttentionInverseRopePass}
 # ways measured (and so captured) under a kernel setting: the products of more than 16 rows through
 # cuBLAS, as before dsv4::linears took up to 64
 SETTINGS = {"compile-step-graphs-mm-above-16": lambda: linears_max_rows(16)}
+
+
+def _passes_without(kind: type) -> DSV4PassManager:
+    """The default passes less the one of type ``kind``."""
+    return DSV4PassManager([p for p in default_passes() if not isinstance(p, kind)])
 
 
 def parse_args():
@@ -225,9 +236,8 @@ def run(args) -> list[dict]:
                                                             options={"triton.enable_pdl": True}),
                     "compile-step-graphs-mm-above-16": compile_step(stack, mode="reduce-overhead",
                                                                     cuda_graphs="step"),
-                    "compile-step-graphs-entry-store-apart": compile_step(
-                        stack, mode="reduce-overhead", cuda_graphs="step", passes=DSV4PassManager(
-                            [p for p in default_passes() if not isinstance(p, FuseEntryStorePass)]))}
+                    **{way: compile_step(stack, mode="reduce-overhead", cuda_graphs="step",
+                                         passes=_passes_without(kind)) for way, kind in WITHOUT_PASS.items()}}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:

@@ -8,11 +8,12 @@ fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 
 benchmarks/README.md, "Hyper-connections"), the shared-input linear fusion (the benchmark
 model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels; with lone products of
 K >= 4096 12 µs less GPU time a step), the grouped ``o_a_proj`` as one launch (4 µs a step at
-b = 8), the norm + RoPE fusion (docs/compile.md, "The norm + RoPE fusion pass") and, after it,
-the key's cache write folded into its norm + RoPE (one launch less a layer), the mutating ops called
-in place where Inductor would call them so (no launch saved: compile time), and after them each
-compressor's cache write folded into the compressor (one launch less a compressor; in Dynamo's
-graph already when the pre-grad stage runs). Another list is given by name, e.g.
+b = 8), the attention output's inverse RoPE moved into the attention (in its split combine: one
+launch less a layer at decode sizes), the norm + RoPE fusion (docs/compile.md, "The norm + RoPE
+fusion pass") and, after it, the key's cache write folded into its norm + RoPE (one launch less a
+layer), the mutating ops called in place where Inductor would call them so (no launch saved:
+compile time), and after them each compressor's cache write folded into the compressor (one
+launch less a compressor; in Dynamo's graph already when the pre-grad stage runs). Another list is given by name, e.g.
 ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
@@ -25,6 +26,7 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .base import DSV4InductorPass, hash_source
+from .fuse_attention_inverse_rope import FuseAttentionInverseRopePass
 from .fuse_entry_store import FuseEntryStorePass
 from .fuse_grouped_linear import FuseGroupedLinearPass
 from .fuse_key_store import FuseKeyStorePass
@@ -41,7 +43,8 @@ def default_passes(devices: Sequence[str] | None = None) -> list[DSV4InductorPas
     graph as a CUDA one is, to test the rewrite or time its compile where there is no GPU."""
     on = {} if devices is None else {"devices": tuple(devices)}
     return [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(**on), FuseGroupedLinearPass(**on),
-            FuseNormRopePass(**on), FuseKeyStorePass(**on), InplaceMutationsPass(**on), FuseEntryStorePass(**on)]
+            FuseAttentionInverseRopePass(**on), FuseNormRopePass(**on), FuseKeyStorePass(**on),
+            InplaceMutationsPass(**on), FuseEntryStorePass(**on)]
 
 
 class DSV4PassManager(DSV4InductorPass):

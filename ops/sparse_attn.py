@@ -8,7 +8,10 @@ a path from the shapes and the GPU (the warp-specialised Gluon kernel on sm_90, 
 the two-pass Triton kernels), or FlashMLA when ``DSV4_ATTN_IMPL=flashmla`` (see
 :func:`_sparse_attn_cuda`). ``dsv4::sparse_attn_flashmla`` (same signature, CUDA only) always
 calls FlashMLA; it needs the optional ``flash_mla`` module (pip ``sgl-flash-mla``), imported on
-first use.
+first use. ``dsv4::sparse_attn_inverse_rope`` (two more arguments) is ``sparse_attn`` with each
+head's output rotated back at its row's position, as a layer's output projection takes it: on
+CUDA inside the split combine where the attention has one (no ``rope_tail`` launch after it); a
+compiled step gets it from ``FuseAttentionInverseRopePass``.
 
 Shape legend: T = query rows, H = heads, K1 / K2 = index widths (multiples of 64).
 """
@@ -21,7 +24,8 @@ from typing import Optional
 import torch
 
 from ..attention import KVSet, from_op_args
-from ..config import HEAD_DIM, INDEX_ALIGN
+from ..config import HEAD_DIM, INDEX_ALIGN, ROPE_DIM
+from ..reference import functional as ref_functional
 from ..reference import sparse_attn as ref
 from ._checks import INDEX_DTYPES, check_devices, check_multiple_of, check_tensor
 from ._library import HAS_TRITON, dsv4_op
@@ -35,6 +39,7 @@ FLASHMLA_MAX_HEADS = 128
 IMPL_ENV = "DSV4_ATTN_IMPL"  # "flashmla" routes the CUDA kernel of dsv4::sparse_attn to FlashMLA
 _OP = "sparse_attn"
 _FLASHMLA_OP = "sparse_attn_flashmla"
+_INVERSE_ROPE_OP = "sparse_attn_inverse_rope"
 
 
 def _check_kv_set(op: str, which: str, kv: KVSet, rows: int) -> None:
@@ -114,3 +119,43 @@ sparse_attn = dsv4_op(_OP, check=_check_sparse_attn, fake=_attn_fake, cuda=_spar
 # the same op computed by FlashMLA (H <= 128): same signature, outputs and semantics
 sparse_attn_flashmla = dsv4_op(_FLASHMLA_OP, check=_check_flashmla, fake=_attn_fake,
                                device_types="cuda", schema=_SCHEMA)(_flashmla)
+
+
+def _check_inverse_rope(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+                        extra_indices, extra_lengths, attn_sink, softmax_scale, positions, inv_freq) -> None:
+    op = _INVERSE_ROPE_OP
+    _check_attn_args(op, (q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+                          extra_indices, extra_lengths, attn_sink, softmax_scale))
+    check_tensor(op, "positions", positions, dtypes=INDEX_DTYPES, ndim=1, shape=(q.shape[0],))
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1, shape=(ROPE_DIM // 2,))
+    check_devices(op, q=q, positions=positions, inv_freq=inv_freq)
+
+
+def _sparse_attn_inverse_rope_cuda(*args) -> tuple[torch.Tensor, torch.Tensor]:
+    """Our kernels with the rotation in the split combine, or FlashMLA then ``rope_tail``'s kernel
+    (``DSV4_ATTN_IMPL=flashmla``, read as :func:`_sparse_attn_cuda` reads it)."""
+    attn_args, inverse_rope = args[:11], tuple(args[11:])
+    if os.environ.get(IMPL_ENV) == "flashmla":
+        _check_flashmla_heads(args[0])
+        out, lse = _flashmla(*attn_args)
+        return dispatch.rotated_back(out, inverse_rope), lse
+    return dispatch.launch_sparse_attn(*from_op_args(attn_args), inverse_rope=inverse_rope)
+
+
+def _reference_inverse_rope(q: torch.Tensor, swa_cache: torch.Tensor, swa_page_size: int, swa_indices: torch.Tensor,
+                             swa_lengths: torch.Tensor, extra_cache: Optional[torch.Tensor], extra_page_size: int,
+                             extra_indices: Optional[torch.Tensor], extra_lengths: Optional[torch.Tensor],
+                             attn_sink: torch.Tensor, softmax_scale: float, positions: torch.Tensor,
+                             inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sparse_attn``'s ``(out, lse)`` with ``out``'s heads rotated back at their rows' positions
+    ``[T]``: ``rope_tail(out, positions[:, None], inv_freq, inverse=True)`` (``inv_freq [32]
+    fp32``)."""
+    out, lse = _reference(q, swa_cache, swa_page_size, swa_indices, swa_lengths, extra_cache, extra_page_size,
+                          extra_indices, extra_lengths, attn_sink, softmax_scale)
+    return ref_functional.rope_tail(out, positions.unsqueeze(1), inv_freq, inverse=True), lse
+
+
+sparse_attn_inverse_rope = dsv4_op(
+    _INVERSE_ROPE_OP, check=_check_inverse_rope, fake=_attn_fake,
+    cuda=_sparse_attn_inverse_rope_cuda if HAS_TRITON else None,
+    schema=torch.library.infer_schema(_reference_inverse_rope, mutates_args=()))(_reference_inverse_rope)

@@ -78,11 +78,11 @@ def _rotated_pairs(x_row, w_ptr, even, scale, pos, freq_ptr, HALF: tl.constexpr,
         w1 = tl.load(w_ptr + even + 1).to(tl.float32)
     y0 = _normed(x0, scale, w0, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
     y1 = _normed(x1, scale, w1, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
-    return _rotated(y0, y1, pos, tl.load(freq_ptr + tl.arange(0, HALF)), False, DTYPE)
+    return rotated(y0, y1, pos, tl.load(freq_ptr + tl.arange(0, HALF)), False, DTYPE)
 
 
 @triton.jit
-def _rotated(y0, y1, pos, freq, INVERSE: tl.constexpr, DTYPE: tl.constexpr):
+def rotated(y0, y1, pos, freq, INVERSE: tl.constexpr, DTYPE: tl.constexpr):
     """fp32 pairs ``(y0, y1)`` rotated by the angles ``pos * freq`` (by their negatives when
     INVERSE) in fp32, rounded once to ``DTYPE``."""
     angle = pos.to(tl.float32) * freq
@@ -109,7 +109,7 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D: tl.conste
     y0 = tl.load(x_row + even, mask=in_half, other=0.0).to(tl.float32)
     y1 = tl.load(x_row + even + 1, mask=in_half, other=0.0).to(tl.float32)
     freq = tl.load(freq_ptr + pair, mask=in_half, other=0.0)
-    r0, r1 = _rotated(y0, y1, tl.load(pos_ptr + row // rows_per_token), freq, INVERSE, out_ptr.dtype.element_ty)
+    r0, r1 = rotated(y0, y1, tl.load(pos_ptr + row // rows_per_token), freq, INVERSE, out_ptr.dtype.element_ty)
     tl.store(out_row + even, r0, mask=in_half)
     tl.store(out_row + even + 1, r1, mask=in_half)
 

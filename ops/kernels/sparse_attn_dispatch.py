@@ -23,6 +23,7 @@ import triton
 from ...config import HEAD_DIM
 from . import sparse_attn_warp_specialized
 from .host import has_pdl, num_sms
+from .norm_rope import launch_rope_tail
 from .sparse_attn_args import key_width, normalize
 from .sparse_attn_combine import allocate_partials, launch_combine
 from .sparse_attn_fused import MAX_HEAD_BLOCK, MIN_HEAD_BLOCK, FusedConfig, launch_fused
@@ -141,7 +142,8 @@ def plan(num_rows: int, num_heads: int, width: int, device: torch.device, *, pat
 
 
 def launch_sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_sink: torch.Tensor,
-                       softmax_scale: float, *, path: str | None = None, num_splits: int | None = None,
+                       softmax_scale: float, *, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       path: str | None = None, num_splits: int | None = None,
                        pdl: bool | None = None, fused: FusedConfig = FusedConfig(),
                        two_pass: TwoPassConfig = TwoPassConfig(),
                        warp_specialized: WarpSpecializedConfig = WarpSpecializedConfig()
@@ -151,6 +153,10 @@ def launch_sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_si
     q: [T, H, 512] bf16; attn_sink: [H] fp32. Returns ``out [T, H, 512] bf16`` and ``lse [T, H]
     fp32`` (natural log, sink excluded; +inf and out 0 for a row without valid keys). Never reads
     tensor values on the host (CUDA-graph safe).
+
+    ``inverse_rope``: ``(positions [T] int, inv_freq [32] fp32)``: each head's output rotated back
+    at its row's position (``dsv4::sparse_attn_inverse_rope``), by the split combine where there
+    is one, else by ``rope_tail``'s kernel after the attention.
 
     ``path``: one of ``PATHS`` (default ``choose_path``). ``num_splits`` overrides the shape-based
     split count of the fused and warp-specialised kernels (tests). ``fused``, ``two_pass`` and
@@ -169,7 +175,7 @@ def launch_sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_si
     args = (q, swa, extra, attn_sink, softmax_scale, out, lse)
     if how.path == "two_pass":
         launch_two_pass(*args, head_block=how.head_block, config=two_pass)
-        return out, lse
+        return rotated_back(out, inverse_rope), lse
     partials = allocate_partials(T, how.splits, H, q.device)
     # PDL pays off when the main grid lets the combine launch early (the fused kernel does)
     pdl = partials is not None and how.path == "fused" and (has_pdl(q.device) if pdl is None else pdl)
@@ -178,6 +184,16 @@ def launch_sparse_attn(q: torch.Tensor, swa: KVSet, extra: KVSet | None, attn_si
     else:
         launch_fused(*args, partials, head_block=how.head_block, block_n=how.block_n,
                      num_stages=fused.num_stages, pdl=pdl)
-    if partials is not None:
-        launch_combine(partials, attn_sink, out, lse, pdl=pdl)
+    if partials is None:
+        return rotated_back(out, inverse_rope), lse
+    launch_combine(partials, attn_sink, out, lse, pdl=pdl, inverse_rope=inverse_rope)
     return out, lse
+
+
+def rotated_back(out: torch.Tensor, inverse_rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    """``out [T, H, 512]`` with each head rotated back at its row's position by ``rope_tail``'s
+    kernel, or as it is without ``inverse_rope``."""
+    if inverse_rope is None:
+        return out
+    positions, inv_freq = inverse_rope
+    return launch_rope_tail(out, positions.unsqueeze(1), inv_freq, inverse=True)

@@ -11,13 +11,12 @@ import pytest
 import torch
 
 from dsv4_compile import layout
-from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseEntryStorePass, InplaceMutationsPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.testing import compress_index as inputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import three_layer_prefill
+from tests.support.hf_model import eager_and_compiled_prefill
 
 FUSED = "dsv4.compress_kv_store.default (in place)"
 PAGE = 4
@@ -104,17 +103,9 @@ def test_model_step_fuses_each_compressors_write():
     """compile_step of a 3-layer model (sliding, CSA, HCA) with the pass: the CSA layer's two
     compressors and the HCA layer's one fuse with their writes (3 nodes, no compress_kv left), and
     the logits and every cache buffer equal the eager backend's, bit for bit."""
-    backend, ids, step = three_layer_prefill(tokens=9)
     fuse = FuseEntryStorePass(("cpu",))
-    before = [t.clone() for t in backend.cache.buffers()]
-    want = backend(ids, step, torch.arange(9)).float()
-    written = [t.clone() for t in backend.cache.buffers()]
-    for t, b in zip(backend.cache.buffers(), before):
-        t.copy_(b)
-    with fresh_compile_state():
-        got = compile_step(backend, passes=DSV4PassManager([fuse]), options=EXACT_NUMERICS)(
-            ids, step, torch.arange(9)).float()
+    (want, written), (got, caches) = eager_and_compiled_prefill(DSV4PassManager([fuse]), tokens=9)
     assert fuse.matched_count == fuse.last_ops.count(FUSED) == 3
     assert not any("compress_kv.default" in op for op in fuse.last_ops)
     assert torch.equal(got, want)
-    assert all(torch.equal(t, w) for t, w in zip(backend.cache.buffers(), written))
+    assert all(torch.equal(t, w) for t, w in zip(caches, written))

@@ -11,13 +11,12 @@ import torch
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
 from dsv4_compile import layout
-from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseKeyStorePass, FuseNormRopePass, FuseSinkhornPass,
                                     FuseStepMetadataPass)
 from dsv4_compile.reference.functional import rms_norm, rope_tail
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import three_layer_prefill
+from tests.support.hf_model import eager_and_compiled_prefill
 
 FUSED = "dsv4.rms_norm_rope_store_kv.default (in place)"
 UNFUSED = ["dsv4.rms_norm_rope.default", "dsv4.store_kv.default (in place)"]
@@ -86,17 +85,10 @@ def test_model_step_fuses_each_layers_key_write():
     """compile_step of a 3-layer model (sliding, CSA, HCA) with the norm + RoPE and key-store passes:
     each layer's key write fuses (3 nodes, the queries' 3 norm + RoPE nodes stay), and the logits and
     every cache buffer equal the eager backend's, bit for bit."""
-    backend, ids, step = three_layer_prefill()
     fuse = FuseKeyStorePass(("cpu",))
-    before = [t.clone() for t in backend.cache.buffers()]
-    want = backend(ids, step, torch.arange(6)).float()
-    written = [t.clone() for t in backend.cache.buffers()]
-    for t, b in zip(backend.cache.buffers(), before):
-        t.copy_(b)
-    with fresh_compile_state():
-        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), FuseNormRopePass(("cpu",)), fuse])
-        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
+    passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), FuseNormRopePass(("cpu",)), fuse])
+    (want, written), (got, caches) = eager_and_compiled_prefill(passes)
     assert fuse.matched_count == fuse.last_ops.count(FUSED) == 3
     assert fuse.last_ops.count("dsv4.rms_norm_rope.default") == 3
     assert torch.equal(got, want)
-    assert all(torch.equal(t, w) for t, w in zip(backend.cache.buffers(), written))
+    assert all(torch.equal(t, w) for t, w in zip(caches, written))

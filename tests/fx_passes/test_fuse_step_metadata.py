@@ -7,9 +7,10 @@ import torch
 
 from dsv4_compile import DSV4AttnConfig, ForwardMode
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseEntryStorePass, FuseGroupedLinearPass, FuseKeyStorePass,
-                                    FuseNormRopePass, FuseSharedInputLinearsPass, FuseSinkhornPass,
-                                    FuseStepMetadataPass, InplaceMutationsPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
+                                    FuseGroupedLinearPass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass, FuseSinkhornPass, FuseStepMetadataPass,
+                                    InplaceMutationsPass)
 from dsv4_compile.metadata_chain import CHAIN_OPS
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.cache_checks import assert_caches_equal
@@ -92,7 +93,8 @@ dsv4.grouped_linear.default""")
     def test_uuid_tracks_the_pass_list(self):
         self.assertEqual(DSV4PassManager().uuid(), DSV4PassManager(
             [FuseStepMetadataPass(), FuseSinkhornPass(), FuseSharedInputLinearsPass(), FuseGroupedLinearPass(),
-             FuseNormRopePass(), FuseKeyStorePass(), InplaceMutationsPass(), FuseEntryStorePass()]).uuid())
+             FuseAttentionInverseRopePass(), FuseNormRopePass(), FuseKeyStorePass(), InplaceMutationsPass(),
+             FuseEntryStorePass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(),
                             DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass()]).uuid())
         self.assertNotEqual(DSV4PassManager().uuid(), DSV4PassManager([FuseStepMetadataPass()]).uuid())

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseEntryStorePass, FuseKeyStorePass, FuseNormRopePass,
-                                    FuseSharedInputLinearsPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
+                                    FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -23,10 +23,12 @@ pytestmark = pytest.mark.gpu
 # states + the 2 CSA layers' query latents; the MoE's router is alone, its shared expert running in
 # dsv4::moe_experts, and no lone product has K >= 4096 at hidden 256); the norm + RoPE chains (4
 # layers x query and key); the keys' cache writes (4 layers); the compressors' cache writes (2 CSA
-# layers x attention and indexer compressor, 1 HCA layer). (Each layer calls its grouped o_a_proj
-# as dsv4::grouped_linear itself: FuseGroupedLinearPass has nothing to rewrite here.)
-MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5)]
-EXACT = (FuseEntryStorePass,)
+# layers x attention and indexer compressor, 1 HCA layer); the attention outputs' inverse RoPE (4
+# layers). (Each layer calls its grouped o_a_proj as dsv4::grouped_linear itself:
+# FuseGroupedLinearPass has nothing to rewrite here.)
+MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5),
+           (FuseAttentionInverseRopePass, 4)]
+EXACT = (FuseEntryStorePass, FuseAttentionInverseRopePass)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")

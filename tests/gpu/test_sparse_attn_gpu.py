@@ -148,6 +148,23 @@ def test_each_path(rows, heads, shape, path):
     _check(inp, launch_sparse_attn(*inp.args(), path=path), f"{shape} T={rows} H={heads} {path}")
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("rows, heads, shape", [(1, 64, "c4_top512"), (8, 64, "c128_128k"), (130, 8, "c4_top512")])
+def test_inverse_rope_is_rope_tail_of_the_output(rows, heads, shape, path):
+    """``dsv4::sparse_attn_inverse_rope``'s rotation on each path (in the split combine where the
+    path splits the key list, else ``rope_tail``'s kernel after it): the output ``rope_tail``'s
+    kernel makes of the plain output, to the bit, and the same lse."""
+    _skip_unavailable(path)
+    inp = _inputs(rows, heads, shape, seed=6)
+    positions = torch.randint(0, 1 << 20, (rows,), device="cuda")
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, device="cuda").float() / 64)
+    out, lse = launch_sparse_attn(*inp.args(), path=path)
+    got, got_lse = launch_sparse_attn(*inp.args(), path=path, inverse_rope=(positions, inv_freq))
+    want = torch.ops.dsv4.rope_tail(out, positions.unsqueeze(1), inv_freq, True)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(got_lse, lse, rtol=0, atol=0)
+
+
 # rows, heads, shape -> the path on sm_90 with Triton 3.6's Gluon / on any other GPU
 DEFAULT_PATHS = [(1, 64, "c4_top512", "fused", "fused"), (32, 64, "c4_top512", "warp_specialized", "two_pass"),
                  (7, 128, "c4_top1024", "warp_specialized", "fused"), (130, 8, "c4_top512", "warp_specialized", "two_pass"),

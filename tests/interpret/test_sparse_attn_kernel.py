@@ -8,15 +8,19 @@ single-program path (32-key blocks), the split + combine path (64-key blocks) an
 path (``sparse_attn_two_pass.py``, in row chunks): out and lse against an fp64 golden with the
 eager reference's error as the yardstick, exact +inf lse / zero out for rows without valid keys
 and for the +inf-sink head, and split counts and paths agreeing with each other. The dispatch's
-tiling and path choice against explicit expected values.
+tiling and path choice against explicit expected values. With ``inverse_rope``, every path gives
+the bytes of its output rotated back by ``rope_tail``'s kernel (inside the split combine, at every
+column tiling of it, or after the attention).
 """
 
 import pytest
 import torch
 
+from dsv4_compile.ops.kernels import sparse_attn_combine as combine
 from dsv4_compile.ops.kernels import sparse_attn_dispatch as dispatch
 from dsv4_compile.ops.kernels import sparse_attn_two_pass as two_pass
 from dsv4_compile.ops.kernels.host import num_sms
+from dsv4_compile.ops.kernels.norm_rope import launch_rope_tail
 from dsv4_compile.ops.kernels.sparse_attn_fused import FusedConfig
 from dsv4_compile.reference import sparse_attn as ref
 from dsv4_compile.testing.attn_inputs import assert_attn_close, golden_sparse_attn, make_attn_inputs
@@ -110,6 +114,27 @@ def test_two_pass_agrees_with_fused(device):
     torch.testing.assert_close(out.float(), fused_out.float(), rtol=2 ** -7, atol=2 ** -7)
     wide = inp.with_int64_indices()
     torch.testing.assert_close(dispatch.launch_sparse_attn(*wide.args(), path="two_pass"), (out, lse), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("path, splits, cols", [("fused", 1, None), ("fused", 3, 512), ("fused", 3, 16),
+                                                ("two_pass", None, None)])
+def test_inverse_rope_is_rope_tail_of_the_output(device, path, splits, cols, monkeypatch):
+    """``inverse_rope``: the output rotated back at each row's position, to the bit, as
+    ``rope_tail``'s kernel rotates the plain output (in the split combine, at column blocks of
+    ``cols``, as many splits make them; no combine at 1 split or on the two-pass path); the lse
+    unchanged."""
+    if cols is not None:  # the combine's [splits, cols] tile: 4 (3 splits, padded) x cols
+        monkeypatch.setattr(combine, "_COMBINE_TILE_ELEMS", 4 * cols)
+    inp = _inputs(device, "c4", 128, heads=2, seed=5)
+    gen = torch.Generator(device=device).manual_seed(5)
+    positions = torch.randint(0, 1 << 17, (inp.q.shape[0],), generator=gen, device=device)
+    inv_freq = 10000.0 ** (-torch.arange(0, 64, 2, device=device).float() / 64)
+    how = dict(path=path, num_splits=splits, fused=FusedConfig(64))
+    out, lse = dispatch.launch_sparse_attn(*inp.args(), **how)
+    got, got_lse = dispatch.launch_sparse_attn(*inp.args(), inverse_rope=(positions, inv_freq), **how)
+    want = launch_rope_tail(out, positions.unsqueeze(1), inv_freq, inverse=True)
+    assert not torch.equal(want, out)
+    assert torch.equal(got, want) and torch.equal(got_lse, lse)
 
 
 # rows, heads, key width -> path with the warp-specialised kernel available / elsewhere (132 SMs)

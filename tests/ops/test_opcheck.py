@@ -117,7 +117,7 @@ def test_indexer_ops(state, step_name):
 @pytest.mark.parametrize("extra, sink", [(None, 0.0), ("c4", 0.0), ("c128", float("-inf")),
                                          ("c128", float("inf")), ("c4", 3.0)])
 def test_sparse_attn(state, extra, sink):
-    _, cache, _, metas = state
+    eng, cache, _, metas = state
     meta = metas["extend_padded"]
     t = meta.positions.shape[0]
     q = torch.randn(t, TINY.num_heads, 512).bfloat16()
@@ -129,6 +129,8 @@ def test_sparse_attn(state, extra, sink):
     elif extra == "c128":
         extra = KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths)
     _opcheck(ops.sparse_attn, op_args(q, swa, extra, sinks, TINY.softmax_scale))
+    _opcheck(ops.sparse_attn_inverse_rope,
+             (*op_args(q, swa, extra, sinks, TINY.softmax_scale), meta.positions, eng.stack.layers[1].inv_freq))
 
 
 @pytest.mark.parametrize("x", [torch.rand(5, 4, 4), torch.rand(2, 3, 4, 4), torch.rand(0, 4, 4),
@@ -267,6 +269,10 @@ def _calls(state) -> dict[str, tuple]:
     q_fp8, w = ops.indexer_prepare_q(torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1)
     pool = torch.zeros(3, layout.model1_page_bytes(64), dtype=torch.uint8)
     slots, keys = torch.tensor([1, 70]), torch.randn(2, 512).bfloat16()
+    attn = op_args(torch.randn(t, TINY.num_heads, 512).bfloat16(),
+                   KVSet(cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths),
+                   KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
+                   torch.zeros(TINY.num_heads), TINY.softmax_scale)
     return {
         "expand_queries": step.tensors(),
         "build_page_table": (cache.req_to_page, meta.req_of_row, meta.seq_lens_causal),
@@ -286,10 +292,8 @@ def _calls(state) -> dict[str, tuple]:
         "compress_kv_store": _compress_kv_store_args(state, 1, "decode", index=True),
         "indexer_prepare_q": (torch.randn(t, 8, 128), torch.randn(t, 8), meta.positions, layer.inv_freq, 0.1),
         "indexer_topk": (q_fp8, w, lc.index_k, meta.page_table, meta.c4_visible, 64),
-        "sparse_attn": op_args(torch.randn(t, TINY.num_heads, 512).bfloat16(),
-                               KVSet(cache.layers[0].swa_kv, 256, meta.swa_indices, meta.swa_lengths),
-                               KVSet(cache.layers[2].extra_kv, 2, meta.c128_indices, meta.c128_lengths),
-                               torch.zeros(TINY.num_heads), TINY.softmax_scale),
+        "sparse_attn": attn,
+        "sparse_attn_inverse_rope": (*attn, meta.positions, layer.inv_freq),
         "routed_experts": _experts_args(3),
         "moe_experts": _moe_experts_args(3),
         "router_topk": (torch.randn(3, 64).bfloat16(), torch.randn(8, 64).bfloat16(), torch.randn(8), 2),
@@ -306,9 +310,9 @@ def _calls(state) -> dict[str, tuple]:
 # sinkhorn, greedy_tokens and topk_indices are absent: their one tensor argument has no device to disagree with
 ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4_metadata",
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
-           "compress_kv_store", "indexer_prepare_q", "indexer_topk", "sparse_attn", "routed_experts", "moe_experts",
-           "router_topk", "linears", "grouped_linear", "rms_norm", "rope_tail", "rms_norm_rope",
-           "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
+           "compress_kv_store", "indexer_prepare_q", "indexer_topk", "sparse_attn", "sparse_attn_inverse_rope",
+           "routed_experts", "moe_experts", "router_topk", "linears", "grouped_linear", "rms_norm", "rope_tail",
+           "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)

@@ -59,3 +59,24 @@ def three_layer_prefill(tokens: int = 6):
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [tokens], [tokens], backend.allocator.extend(row, tokens))
     return backend, ids, step
+
+
+def eager_and_compiled_prefill(passes, tokens: int = 6):
+    """The :func:`three_layer_prefill` step run eagerly, then from the same cache compiled by
+    ``compile_step`` with ``passes`` (a ``DSV4PassManager``) under ``EXACT_NUMERICS``:
+    ``((eager logits, cache buffers after it), (compiled logits, cache buffers after it))``, the
+    logits fp32, of every token."""
+    from dsv4_compile.compile import compile_step
+    from dsv4_compile.export import EXACT_NUMERICS
+    from tests.support.compile_checks import fresh_compile_state
+
+    backend, ids, step = three_layer_prefill(tokens)
+    rows = torch.arange(tokens)
+    before = [t.clone() for t in backend.cache.buffers()]
+    want = backend(ids, step, rows).float()
+    written = [t.clone() for t in backend.cache.buffers()]
+    for t, b in zip(backend.cache.buffers(), before):
+        t.copy_(b)
+    with fresh_compile_state():
+        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, rows).float()
+    return (want, written), (got, list(backend.cache.buffers()))
