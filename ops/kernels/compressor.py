@@ -45,8 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ...reference.compressor import window_slots
 from ...config import HEAD_DIM, INDEX_HEAD_DIM
+from ...reference.compressor import window_slots
 from .host import INTERPRET, has_pdl, unit_stride
 from .kv_cache import check_page_rows, key_store_constants, model1_slot_ptrs, store_index_key, store_model1_key
 from .primitives import dependent_launch, hadamard_pm1, softmax_rescale, to_bf16
