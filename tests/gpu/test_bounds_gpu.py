@@ -70,6 +70,11 @@ def test_compress_kv_ignores_nan_in_masked_slots():
     bounds.compress_kv_masked_nan_case(ops, CUDA)
 
 
+@pytest.mark.parametrize("d", [512, 128])
+def test_compress_kv_store_guard_pages(d):
+    bounds.compress_kv_store_case(ops, CUDA, d)
+
+
 @pytest.mark.parametrize("narrow", [False, True])
 def test_indexer_topk_guard_pages(narrow):
     bounds.indexer_topk_case(ops, CUDA, narrow)

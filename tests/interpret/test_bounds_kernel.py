@@ -66,6 +66,11 @@ def test_compress_kv_out_of_range_request_rows(device, ratio):
     bounds.compress_kv_bad_rows_case(run, device, ratio)
 
 
+@pytest.mark.parametrize("d", [512, 128])
+def test_compress_kv_store_skips_out_of_range_slots(device, d):
+    bounds.compress_kv_store_case(KERNELS, device, d)
+
+
 def test_compress_kv_ignores_nan_in_masked_slots(device):
     bounds.compress_kv_masked_nan_case(KERNELS, device)
 

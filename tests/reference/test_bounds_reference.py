@@ -51,6 +51,11 @@ def test_compress_kv_out_of_range_request_rows(ratio):
     bounds.compress_kv_bad_rows_case(lambda args: ops.compress_kv(**args), "cpu", ratio)
 
 
+@pytest.mark.parametrize("d", [512, 128])
+def test_compress_kv_store_skips_out_of_range_slots(d):
+    bounds.compress_kv_store_case(ops, "cpu", d)
+
+
 def test_compress_kv_ignores_nan_in_masked_slots():
     bounds.compress_kv_masked_nan_case(ops, "cpu")
 

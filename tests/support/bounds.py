@@ -39,6 +39,7 @@ def launchers() -> types.SimpleNamespace:
     return types.SimpleNamespace(**fns, store_kv=kv_cache.launch_store_kv, dequant_kv=kv_cache.launch_dequant_kv,
                                  store_index_k=kv_cache.launch_store_index_k,
                                  compress_kv=compressor.launch_compress_kv,
+                                 compress_kv_store=compressor.launch_compress_kv_store,
                                  indexer_topk=indexer.launch_indexer_topk)
 
 
@@ -271,6 +272,30 @@ def step_metadata_case(impl, device) -> dict[str, torch.Tensor]:
 
 
 # -- compressor ------------------------------------------------------------------------------------
+def compress_kv_store_case(impl, device, d: int) -> None:
+    """``impl.compress_kv_store`` of a c4 verify step (d = 512: MODEL1 tokens, d = 128: indexer
+    keys) on a 3-page slice of random bytes, slots outside the slice among in-range ones: the slice
+    holds what ``impl.compress_kv``'s entries written by ``impl``'s cache write hold, the guard pages
+    are untouched, and the ring is ``compress_kv``'s."""
+    gen = _gen(device, d)
+    page_size, pages = 4, 3
+    model1 = d == 512
+    page_bytes = layout.model1_page_bytes(page_size) if model1 else layout.index_page_bytes(page_size)
+    buf = torch.randint(0, 256, (pages + 2 * GUARD, page_bytes), generator=gen, device=device, dtype=torch.uint8)
+    cache, check = guarded(buf, GUARD, GUARD)
+    bad = _bad_slots(pages * page_size, page_size, torch.int64)
+    slots = _mixed(cache_inputs.distinct_slots(11 - len(bad), pages, page_size, gen), bad, gen, torch.int64)
+    args = compress_index.compressor_args(4, d, [7, 12, 20], [4, 4, 3], gen, ring=16)
+    state = args["state"].clone()
+    want = cache.clone()
+    (impl.store_kv if model1 else impl.store_index_k)(want, slots, impl.compress_kv(**dict(args, state=state)),
+                                                      page_size)
+    impl.compress_kv_store(**args, cache=cache, slots=slots, page_size=page_size)
+    check()
+    assert torch.equal(cache, want), "compress_kv_store: the slice differs from the entries' store"
+    assert torch.equal(args["state"], state), "compress_kv_store: the ring differs from compress_kv's"
+
+
 def compress_kv_bad_rows_case(run: Callable[[dict], torch.Tensor], device, ratio: int) -> torch.Tensor:
     """``run(args)`` = ``compress_kv(**args)`` (c4: d = 128, ring 16; c128: d = 512, ring 128) on
     four requests reading earlier tokens from the ring, two of them on request rows -1 and ``R``,
