@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from ..reference import compressor as ref
-from .. import layout
 from ..config import HEAD_DIM, INDEX_HEAD_DIM
+from ..reference import compressor as ref
 from ..reference import kv_store
 from ._checks import INDEX_DTYPES, SLOT_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
-from .kv_cache import check_model1_cache, writes_only
+from .kv_cache import check_index_cache, check_model1_cache, writes_only
 
 if HAS_TRITON:
     from .kernels import compressor as kernels
@@ -92,8 +91,7 @@ def _check_compress_kv_store(state, cache, slots, kv, score, ape, req_of_row, se
     if d == HEAD_DIM:
         check_model1_cache(op, "cache", cache, page_size)
     elif d == INDEX_HEAD_DIM:
-        check_tensor(op, "cache", cache, dtypes=(torch.uint8,), ndim=2,
-                     shape=(None, layout.index_page_bytes(page_size)))
+        check_index_cache(op, "cache", cache, page_size)
     else:
         raise ValueError(f"dsv4.{op}: norm_weight has {d} entries: a stored entry is a MODEL1 key ({HEAD_DIM}) "
                          f"or an indexer key ({INDEX_HEAD_DIM})")

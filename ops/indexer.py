@@ -14,6 +14,7 @@ from ..config import INDEX_HEAD_DIM
 from ..reference import indexer as ref
 from ._checks import INDEX_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
+from .kv_cache import check_index_cache
 
 if HAS_TRITON:
     from .kernels import indexer as kernels
@@ -51,8 +52,7 @@ def _check_topk(q_fp8, w, index_cache, page_table, visible, topk) -> None:
     check_devices(op, index_cache=index_cache, q_fp8=q_fp8, w=w, page_table=page_table, visible=visible)
     check_tensor(op, "q_fp8", q_fp8, dtypes=(_FP8,), ndim=3, shape=(None, None, INDEX_HEAD_DIM))
     check_tensor(op, "w", w, dtypes=(torch.float32,), ndim=2, shape=(None, q_fp8.shape[1]))
-    check_tensor(op, "index_cache", index_cache, dtypes=(torch.uint8,), ndim=2,
-                 shape=(None, layout.index_page_bytes()))
+    check_index_cache(op, "index_cache", index_cache, layout.INDEX_PAGE_SIZE)
     check_tensor(op, "page_table", page_table, dtypes=INDEX_DTYPES, ndim=2)
     check_tensor(op, "visible", visible, dtypes=INDEX_DTYPES, ndim=1)
     check_same_rows(op, q_fp8=q_fp8, w=w, page_table=page_table, visible=visible)

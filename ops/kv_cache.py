@@ -30,6 +30,12 @@ def check_model1_cache(op: str, name: str, cache: torch.Tensor, page_size: int) 
                          f"{cache.shape[1]} bytes, a MODEL1 page of {page_size} tokens has {want}")
 
 
+def check_index_cache(op: str, name: str, cache: torch.Tensor, page_size: int) -> None:
+    """An indexer key cache: ``uint8 [N_pages, P * 132]`` for pages of ``page_size`` keys."""
+    check_positive(op, "page_size", page_size)
+    check_tensor(op, name, cache, dtypes=(torch.uint8,), ndim=2, shape=(None, layout.index_page_bytes(page_size)))
+
+
 def _check_slots_and_keys(op: str, slots: torch.Tensor, k: torch.Tensor | None = None,
                 k_dtypes: tuple[torch.dtype, ...] = (), k_dim: int = 0) -> None:
     """``slots [N]`` and, for a write, ``k [N, k_dim]`` of one of ``k_dtypes``."""
@@ -53,9 +59,7 @@ def _check_dequant_kv(cache, slots, page_size) -> None:
 
 def _check_store_index_k(cache, slots, k, page_size) -> None:
     check_devices("store_index_k", cache=cache, slots=slots, k=k)
-    check_positive("store_index_k", "page_size", page_size)
-    check_tensor("store_index_k", "cache", cache, dtypes=(torch.uint8,), ndim=2,
-                 shape=(None, layout.index_page_bytes(page_size)))
+    check_index_cache("store_index_k", "cache", cache, page_size)
     _check_slots_and_keys("store_index_k", slots, k, (torch.bfloat16, torch.float32), INDEX_HEAD_DIM)
 
 
