@@ -84,6 +84,9 @@ orders or in separate processes):
     compiled_step_graphs_rotation_apart  whole-step graphs without ``FuseAttentionInverseRopePass``
                    (each attention output rotated back by a ``rope_tail`` launch before its grouped
                    product, not in the attention's split combine); not in the default ``--ways``
+    compiled_step_graphs_side_stream  whole-step graphs with ``OverlapCacheWritesPass`` added to the
+                   default passes (each layer's cache writes on a second stream, beside the query's
+                   products); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -129,7 +132,7 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
                                     FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
-                                    ReplaceShortTopkPass)
+                                    OverlapCacheWritesPass, ReplaceShortTopkPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
@@ -167,7 +170,7 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
         "compiled_step_graphs_switches_on",
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
-        "compiled_step_graphs_rotation_apart")
+        "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -610,6 +613,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_entry_store_apart": (None, _with_passes(_without(FuseEntryStorePass), cuda_graphs="step")),
     "compiled_step_graphs_rotation_apart":
         (None, _with_passes(_without(FuseAttentionInverseRopePass), cuda_graphs="step")),
+    "compiled_step_graphs_side_stream":
+        (None, _with_passes(lambda: [*default_passes(), OverlapCacheWritesPass()], cuda_graphs="step")),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }
 

@@ -24,6 +24,9 @@ Ways (the same stack, cache and step tensors):
     compile-step-graphs-rotation-apart  compile-step-graphs without ``FuseAttentionInverseRopePass``:
                      each attention output rotated back by a launch before its product, not in the
                      attention's split combine
+    compile-step-graphs-side-stream  compile-step-graphs with ``OverlapCacheWritesPass`` added to
+                     the default passes: each layer's cache writes on a second stream, beside the
+                     query's products
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -57,17 +60,20 @@ from dsv4_compile import DSV4AttnConfig, DSV4AttentionStack, DSV4Cache, ForwardM
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
-from dsv4_compile.fx_passes import DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
+                                    OverlapCacheWritesPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call, linears_max_rows,
                                         profile_steps)
 
 GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl",
               "compile-step-graphs-mm-above-16", "compile-step-graphs-entry-store-apart",
-              "compile-step-graphs-rotation-apart", "manual-graph")  # --profile / --host
+              "compile-step-graphs-rotation-apart", "compile-step-graphs-side-stream",
+              "manual-graph")  # --profile / --host
 # --host: also back to back, and the graph alone
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16",
-                   "compile-step-graphs-entry-store-apart", "compile-step-graphs-rotation-apart")
+                   "compile-step-graphs-entry-store-apart", "compile-step-graphs-rotation-apart",
+                   "compile-step-graphs-side-stream")
 # ways with whole-step graphs compiled with the default passes less one
 WITHOUT_PASS = {"compile-step-graphs-entry-store-apart": FuseEntryStorePass,
                 "compile-step-graphs-rotation-apart": FuseAttentionInverseRopePass}
@@ -237,7 +243,10 @@ def run(args) -> list[dict]:
                     "compile-step-graphs-mm-above-16": compile_step(stack, mode="reduce-overhead",
                                                                     cuda_graphs="step"),
                     **{way: compile_step(stack, mode="reduce-overhead", cuda_graphs="step",
-                                         passes=_passes_without(kind)) for way, kind in WITHOUT_PASS.items()}}
+                                         passes=_passes_without(kind)) for way, kind in WITHOUT_PASS.items()},
+                    "compile-step-graphs-side-stream": compile_step(
+                        stack, mode="reduce-overhead", cuda_graphs="step",
+                        passes=DSV4PassManager([*default_passes(), OverlapCacheWritesPass()]))}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:

@@ -19,9 +19,11 @@ from .fuse_shared_input_linears import FuseSharedInputLinearsPass  # noqa: E402
 from .fuse_sinkhorn import FuseSinkhornPass  # noqa: E402
 from .fuse_step_metadata import FuseStepMetadataPass  # noqa: E402
 from .inplace_mutations import InplaceMutationsPass  # noqa: E402
+from .overlap_cache_writes import OverlapCacheWritesPass  # noqa: E402
 from .pass_manager import DSV4PassManager  # noqa: E402
 from .replace_short_topk import ReplaceShortTopkPass  # noqa: E402
 
 __all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseAttentionInverseRopePass", "FuseEntryStorePass",
            "FuseGroupedLinearPass", "FuseKeyStorePass", "FuseNormRopePass", "FuseSharedInputLinearsPass",
-           "FuseSinkhornPass", "FuseStepMetadataPass", "InplaceMutationsPass", "ReplaceShortTopkPass"]
+           "FuseSinkhornPass", "FuseStepMetadataPass", "InplaceMutationsPass", "OverlapCacheWritesPass",
+           "ReplaceShortTopkPass"]

@@ -9,4 +9,4 @@ if __name__ != "dsv4_compile.ops":  # the top-level ops/ folder installs as dsv4
     raise ImportError(f"import dsv4_compile.ops, not {__name__!r}")
 
 from . import (compressor, experts, hyper_connection, indexer, kv_cache, linear, metadata, norm_rope,  # noqa: E402,F401
-               sampling, sparse_attn)
+               sampling, side_stream, sparse_attn)

@@ -19,11 +19,17 @@ package still imports and every op runs its reference.
 :class:`traced_references` makes the ops run as their (checked) reference code inside its block,
 so that a trace records the reference's aten ops instead of the op: what ``torch.export`` needs
 for a program that runs with libtorch alone (:mod:`dsv4_compile.export`).
+
+An op that only writes its mutated arguments may be registered with ``side_stream=True``: its
+schema gains a last argument ``bool side_stream=False``, and a CUDA call with it set launches on
+the device's side stream (:mod:`.side_stream`), where ``OverlapCacheWritesPass`` puts a step's
+cache writes beside the projections they do not wait for.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 
 import torch
@@ -50,7 +56,7 @@ def _checked(fn: Callable, check: Callable) -> Callable:
 
 def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None = None,
             mutates_args: Sequence[str] = (), device_types: str | None = None, schema: str | None = None,
-            decompose: bool | Callable[..., bool] = False):
+            decompose: bool | Callable[..., bool] = False, side_stream: bool = False):
     """Decorator turning a reference function into the custom op ``dsv4::<name>`` (see module doc).
 
     ``device_types="cuda"`` registers no reference kernel: the op then runs only on CUDA, through
@@ -67,17 +73,28 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
     as one traced op"). ``decompose`` may instead be a predicate of the op's arguments: the calls
     it holds for are decomposed, the others stay the op's node in Inductor's graph and run its
     kernel (``cuda`` on CUDA), for an op whose kernel pays for some of its calls only.
+
+    ``side_stream=True`` (an op that returns nothing) appends ``bool side_stream=False`` to the
+    schema: ``cuda`` runs on the side stream when it is set (:func:`.side_stream.forked`); the
+    check, the reference and the fake never see it (where no ``cuda`` kernel is registered the flag
+    changes nothing).
     """
     if decompose is True and cuda is not None:
         raise ValueError(f"dsv4.{name}: an op with a CUDA kernel is decomposed only where a predicate says so")
+    if side_stream and decompose:
+        raise ValueError(f"dsv4.{name}: a decomposed op has no kernel to run on the side stream")
 
     def register(reference: Callable) -> torch.library.CustomOpDef:
-        impl = _checked(cuda if device_types is not None and cuda is not None else reference, check)
+        op_schema, op_check, op_fake, op_cuda = schema, check, fake, cuda
+        if side_stream:
+            op_schema, op_check, op_fake, op_cuda, reference = _with_side_stream(schema, mutates_args, check, fake,
+                                                                                 cuda, reference)
+        impl = _checked(op_cuda if device_types is not None and op_cuda is not None else reference, op_check)
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=tuple(mutates_args),
-                                     device_types=device_types, schema=schema)
-        if cuda is not None and device_types is None and HAS_TRITON:
-            op.register_kernel("cuda")(_checked(cuda, check))
-        op.register_fake(_checked(fake, check))
+                                     device_types=device_types, schema=op_schema)
+        if op_cuda is not None and device_types is None and HAS_TRITON:
+            op.register_kernel("cuda")(_checked(op_cuda, op_check))
+        op.register_fake(_checked(op_fake, op_check))
         if device_types is None:  # impl is the checked reference
             _REFERENCES[name] = impl
         if decompose:
@@ -87,6 +104,50 @@ def dsv4_op(name: str, *, check: Callable, fake: Callable, cuda: Callable | None
                 impl if decompose is True else _decomposed_where(decompose, impl, overload))
         return op
     return register
+
+
+def _with_side_stream(schema: str | None, mutates_args: Sequence[str], check: Callable, fake: Callable,
+                      cuda: Callable | None, reference: Callable
+                      ) -> tuple[str, Callable, Callable, Callable | None, Callable]:
+    """The schema with ``bool side_stream=False`` appended, and the op's functions taking it: the
+    CUDA kernel forked onto the side stream when it is set, the others called without it."""
+    schema = schema or torch.library.infer_schema(reference, mutates_args=tuple(mutates_args))
+    params, _, returns = schema.rpartition(") -> ")
+    if returns != "()":
+        raise ValueError(f"a side-stream op returns nothing, not {returns}")
+    schema = f"{params}, bool side_stream=False) -> ()"
+    arity = len(inspect.signature(reference).parameters)
+
+    def without_flag(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            _split_side_stream(arity, args, kwargs)
+            return fn(*args[:arity], **kwargs)
+        return call
+
+    @functools.wraps(cuda)
+    def cuda_on_side_stream(*args, **kwargs):
+        if not _split_side_stream(arity, args, kwargs):
+            return cuda(*args[:arity], **kwargs)
+        from .side_stream import forked
+        with forked(_first_device(args, kwargs)):
+            return cuda(*args[:arity], **kwargs)
+
+    return (schema, without_flag(check), without_flag(fake), cuda_on_side_stream if cuda is not None else None,
+            without_flag(reference))
+
+
+def _split_side_stream(arity: int, args: tuple, kwargs: dict) -> bool:
+    """The call's ``side_stream`` flag, taken out of ``kwargs`` (as a keyword) or read from
+    ``args`` past the op's ``arity`` own arguments (positional)."""
+    if "side_stream" in kwargs:
+        return bool(kwargs.pop("side_stream"))
+    return len(args) > arity and bool(args[arity])
+
+
+def _first_device(args: tuple, kwargs: dict) -> torch.device:
+    """The device of the first tensor argument: the op's (``check`` made them agree)."""
+    return next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)).device
 
 
 def _decomposed_where(predicate: Callable[..., bool], reference: Callable, op: torch._ops.OpOverload) -> Callable:

@@ -100,7 +100,8 @@ def _check_compress_kv_store(state, cache, slots, kv, score, ape, req_of_row, se
 
 
 @dsv4_op("compress_kv_store", check=_check_compress_kv_store, fake=writes_only,
-         cuda=kernels.launch_compress_kv_store if HAS_TRITON else None, mutates_args=("state", "cache"))
+         cuda=kernels.launch_compress_kv_store if HAS_TRITON else None,
+         mutates_args=("state", "cache"), side_stream=True)
 def compress_kv_store(state: torch.Tensor, cache: torch.Tensor, slots: torch.Tensor, kv: torch.Tensor,
                       score: torch.Tensor, ape: torch.Tensor, req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor,
                       extend_start: torch.Tensor, extend_end: torch.Tensor, norm_weight: torch.Tensor,

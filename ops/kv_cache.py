@@ -72,7 +72,8 @@ def _dequant_kv_fake(cache, slots, page_size):
 
 
 @dsv4_op("store_kv", check=_check_store_kv, fake=writes_only,
-         cuda=kernels.launch_store_kv if HAS_TRITON else None, mutates_args=("cache",))
+         cuda=kernels.launch_store_kv if HAS_TRITON else None,
+         mutates_args=("cache",), side_stream=True)
 def store_kv(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise ``k [N, 512] bf16`` to MODEL1 and write row n at slot ``slots[n]`` (int32/int64
     ``[N]``) of ``cache [N_pages, Nb] uint8``; rows whose slot is outside ``[0, N_pages * P)`` are
@@ -89,7 +90,8 @@ def dequant_kv(cache: torch.Tensor, slots: torch.Tensor, page_size: int) -> torc
 
 
 @dsv4_op("store_index_k", check=_check_store_index_k, fake=writes_only,
-         cuda=kernels.launch_store_index_k if HAS_TRITON else None, mutates_args=("cache",))
+         cuda=kernels.launch_store_index_k if HAS_TRITON else None,
+         mutates_args=("cache",), side_stream=True)
 def store_index_k(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int) -> None:
     """Quantise indexer keys ``k [N, 128]`` (fp8 + fp32 scale per entry) and write row n at
     ``slots[n]`` of ``cache [N_pages, P * 132] uint8``; slots outside ``[0, N_pages * P)`` are

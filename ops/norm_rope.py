@@ -117,7 +117,8 @@ def _check_rms_norm_rope_store_kv(cache, slots, x, weight, eps, round_scale, pos
 
 
 @dsv4_op("rms_norm_rope_store_kv", check=_check_rms_norm_rope_store_kv, fake=writes_only,
-         cuda=kernels.launch_rms_norm_rope_store_kv if HAS_TRITON else None, mutates_args=("cache",))
+         cuda=kernels.launch_rms_norm_rope_store_kv if HAS_TRITON else None,
+         mutates_args=("cache",), side_stream=True)
 def rms_norm_rope_store_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None,
                            eps: float, round_scale: bool, positions: torch.Tensor, inv_freq: torch.Tensor,
                            page_size: int) -> None:

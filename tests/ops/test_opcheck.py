@@ -63,6 +63,9 @@ def test_cache_ops():
     _opcheck(ops.dequant_kv, (cache, torch.tensor([1, -1, 70], dtype=torch.int32), 64))
     icache = torch.zeros(3, layout.index_page_bytes(), dtype=torch.uint8)
     _opcheck(ops.store_index_k, (icache, torch.tensor([5, -1], dtype=torch.int32), torch.randn(2, 128), 64))
+    # the side-stream flag (ops/side_stream.py) and the join that follows such writes
+    _opcheck(ops.store_kv, (cache, torch.tensor([1, -1]), k[:2], 64, True))
+    _opcheck(ops.join_side_stream, ([cache, icache], [k]))
 
 
 @pytest.mark.parametrize("layer_id, step_name, index", [(1, "decode", False), (1, "extend_padded", True),
