@@ -120,4 +120,6 @@ def test_compress_kv_store_writes_the_stored_entries(device, ratio, d, scenario)
     launch_compress_kv_store(**dict(args, state=state_got), cache=got, slots=slots, page_size=page_size)
     assert not torch.equal(want, cache)
     assert torch.equal(got, want)
-    assert torch.equal(state_got, state_want)
+    # the rings but the dummy request 0's: every padding row writes its ring row 0, in any order on a GPU
+    ring = args["ring"]
+    assert torch.equal(state_got[ring:], state_want[ring:])
