@@ -19,12 +19,12 @@ default: elsewhere nothing runs on a second stream).
   a write of what it reads) and any reader of a buffer it writes.
 * Its join goes before the first later node that reads or writes a buffer it writes, writes a
   tensor at all (``dsv4::`` ops: one it reads), or is the output, not counting the other side
-  writes (the side stream runs them in order); writes sharing that node share one join. The
-  join declares the written buffers written (their readers follow it in Inductor's schedule) and
-  reads the writes' other inputs made in the graph (none of them is freed or reused while the side
-  stream may read it) and the inputs of that first node: Inductor schedules a node as early as its
-  inputs allow, and a join that read the writes' inputs alone would follow them at once, before
-  the work it is meant to overlap.
+  writes (the side stream runs them in order); a buffer read or written through a view counts as
+  the buffer. Writes sharing that node share one join. The join declares the written buffers
+  written (their readers follow it in Inductor's schedule) and reads the writes' other inputs made
+  in the graph (none of them is freed or reused while the side stream may read it) and the inputs
+  of that first node: Inductor schedules a node as early as its inputs allow, and a join that read
+  the writes' inputs alone would follow them at once, before the work it is meant to overlap.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def _set_flag(node: torch.fx.Node) -> None:
 
 def _move_up(graph: torch.fx.Graph, write: torch.fx.Node) -> None:
     """Put ``write`` right after the last node above it that it must follow."""
-    inputs, written = set(write.all_input_nodes), set(_written(write))
+    inputs, written = set(write.all_input_nodes), _memory(_written(write))
     node = write.prev
     while node.op != "root" and not (node in inputs or node.op == "placeholder" or _mutates(node)
                                      or written.intersection(node.all_input_nodes)):
@@ -108,8 +108,9 @@ def _move_up(graph: torch.fx.Graph, write: torch.fx.Node) -> None:
 def _first_to_follow(write: torch.fx.Node, side: set[torch.fx.Node]) -> torch.fx.Node:
     """The first node after ``write`` that must wait for it: a reader or writer of what it writes,
     a writer of what it reads (any write but a ``dsv4::`` op's that names its buffers), or the
-    output; the writes in ``side`` run after it on the same stream and need no join."""
-    written, inputs = set(_written(write)), set(write.all_input_nodes)
+    output, through views too; the writes in ``side`` run after it on the same stream and need no
+    join."""
+    written, inputs = _memory(_written(write)), _memory(write.all_input_nodes)
     node = write.next
     while node.op != "output":
         if node in side:
@@ -119,10 +120,35 @@ def _first_to_follow(write: torch.fx.Node, side: set[torch.fx.Node]) -> torch.fx
             return node
         if _mutates(node):
             mine = _written(node) if _is_dsv4_in_place(node) else None
-            if mine is None or inputs.intersection(mine):
+            if mine is None or inputs.intersection(_memory(mine)):
                 return node
         node = node.next
     return node
+
+
+def _memory(nodes) -> set[torch.fx.Node]:
+    """The nodes through which the memory of ``nodes`` is reached: their bases (up the chains of
+    views) and every view of those, transitively."""
+    bases = []
+    for node in nodes:
+        while _is_view(node):
+            node = node.args[0]
+        bases.append(node)
+    out: set[torch.fx.Node] = set()
+    while bases:
+        node = bases.pop()
+        if node not in out:
+            out.add(node)
+            bases += [u for u in node.users if _is_view(u)]
+    return out
+
+
+def _is_view(node: object) -> bool:
+    """An aten view of its first argument (``_unsafe_view`` too: it shares the memory, though its
+    schema does not say so)."""
+    op = getattr(node, "target", None)
+    return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
+            and (op.is_view or op is torch.ops.aten._unsafe_view.default) and isinstance(node.args[0], torch.fx.Node))
 
 
 def _is_dsv4_in_place(node: torch.fx.Node) -> bool:

@@ -168,3 +168,25 @@ def test_model_step_writes_beside_the_query_products():
         assert any(c in ("mm", "linears") for c in calls[last_write + 1:j]), calls[last_write:j + 1]
     assert torch.equal(got, want)
     assert all(torch.equal(t, w) for t, w in zip(caches, written))
+
+
+def test_a_read_through_a_view_made_before_the_write_waits_for_the_join():
+    """A hand-built post-grad graph: a view of the cache made before the write and read after it
+    (the compiled graphs of this package make their views after the write, but a view is the same
+    memory wherever it is made); the join goes before that read, not at the output."""
+    aten = torch.ops.aten
+    graph = torch.fx.Graph()
+    cache, slots, k, x, w = (graph.placeholder(n) for n in ("cache", "slots", "k", "x", "w"))
+    for node, value in zip((cache, slots, k, x, w), _inputs()):
+        node.meta["val"] = value
+    head = graph.call_function(aten.slice.Tensor, (cache, 0, 0, 2))
+    q = graph.call_function(aten.mm.default, (x, graph.call_function(aten.t.default, (w,))))
+    graph.call_function(ops.store_kv.default, (cache, slots, k, PAGE))
+    total = graph.call_function(aten.sum.default, (head,))
+    graph.output((q, total))
+    overlap = Recorded(("cpu",))
+    overlap(graph)
+    assert overlap.matched_count == 1
+    order = [n for n in graph.nodes if n.op == "call_function"]
+    join = next(n for n in order if n.target is ops.join_side_stream.default)
+    assert order.index(join) == order.index(total) - 1
