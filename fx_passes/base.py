@@ -49,13 +49,33 @@ def op_calls(graph: torch.fx.Graph, op: torch._ops.OpOverloadPacket) -> list[tor
     return [*graph.find_nodes(op="call_function", target=op), *graph.find_nodes(op="call_function", target=op.default)]
 
 
-def call_arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket) -> dict:
-    """The arguments of ``node``, a call of ``op``, by name, defaults included."""
-    schema = op.default._schema.arguments
+def call_arguments(node: torch.fx.Node, op: torch._ops.OpOverloadPacket | torch._ops.OpOverload) -> dict:
+    """The arguments of ``node``, a call of ``op`` (a packet: its default overload), by name,
+    defaults included."""
+    schema = (op.default if isinstance(op, torch._ops.OpOverloadPacket) else op)._schema.arguments
     named = {a.name: a.default_value for a in schema if a.has_default_value()}
     named.update(zip((a.name for a in schema), node.args))
     named.update(node.kwargs)
     return named
+
+
+_MUTATING_WRAPPERS = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
+
+
+def may_mutate(node: torch.fx.Node) -> bool:
+    """Whether ``node`` may write a tensor: a mutable op, a functionalised one, an in-place method."""
+    if node.op == "call_method":
+        return node.target.endswith("_")
+    if node.op != "call_function":
+        return node.op == "call_module"
+    target = node.target
+    if target in _MUTATING_WRAPPERS:
+        return True
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        return target._schema.is_mutable
+    return getattr(target, "__name__", "").endswith("_")
 
 
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:

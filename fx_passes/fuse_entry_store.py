@@ -25,13 +25,12 @@ import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::compress_kv_store)
 from ..config import HEAD_DIM, INDEX_HEAD_DIM
-from .base import OnDevicesPass, call_arguments, op_calls
+from .base import OnDevicesPass, call_arguments, may_mutate, op_calls
 
 _COMPRESS = torch.ops.dsv4.compress_kv
 _FUSED = torch.ops.dsv4.compress_kv_store.default
 # each write and the entry width of its layout
 _WRITES = ((torch.ops.dsv4.store_kv, HEAD_DIM), (torch.ops.dsv4.store_index_k, INDEX_HEAD_DIM))
-_MUTATING_WRAPPERS = (torch.ops.higher_order.auto_functionalized, torch.ops.higher_order.auto_functionalized_v2)
 
 
 class FuseEntryStorePass(OnDevicesPass):
@@ -74,7 +73,7 @@ class FuseEntryStorePass(OnDevicesPass):
             return None
         node = entries.next
         while node is not write:
-            if _mutates(node) or c["state"] in node.all_input_nodes:
+            if may_mutate(node) or c["state"] in node.all_input_nodes:
                 return None
             node = node.next
         return c
@@ -82,18 +81,3 @@ class FuseEntryStorePass(OnDevicesPass):
 
 _COMPRESS_ARGS = tuple(a.name for a in _COMPRESS.default._schema.arguments if a.name != "state")
 
-
-def _mutates(node: torch.fx.Node) -> bool:
-    """Whether ``node`` may write a tensor: a mutable op, a functionalised one, an in-place method."""
-    if node.op == "call_method":
-        return node.target.endswith("_")
-    if node.op != "call_function":
-        return node.op == "call_module"
-    target = node.target
-    if target in _MUTATING_WRAPPERS:
-        return True
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        target = target.default
-    if isinstance(target, torch._ops.OpOverload):
-        return target._schema.is_mutable
-    return getattr(target, "__name__", "").endswith("_")

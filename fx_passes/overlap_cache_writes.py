@@ -32,8 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::join_side_stream and the side-stream flags)
-from .base import OnDevicesPass
-from .fuse_entry_store import _mutates
+from .base import OnDevicesPass, call_arguments, may_mutate
 
 _JOIN = torch.ops.dsv4.join_side_stream.default
 _FLAG = "side_stream"
@@ -46,8 +45,9 @@ class OverlapCacheWritesPass(OnDevicesPass):
             _move_up(graph, write)
             _set_flag(write)
         joins: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        side = set(writes)
         for write in writes:
-            joins.setdefault(_first_to_follow(write, set(writes)), []).append(write)
+            joins.setdefault(_first_to_follow(write, side), []).append(write)
         for before, joined in joins.items():
             written = _unique(b for w in joined for b in _written(w))
             kept = _unique(a for n in (*joined, before) for a in n.all_input_nodes
@@ -59,25 +59,17 @@ class OverlapCacheWritesPass(OnDevicesPass):
 
     def _is_write(self, node: torch.fx.Node) -> bool:
         """An in-place call of a side-stream op, its flag unset, writing buffers on ``devices``."""
-        op = node.target
-        if not (node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op.namespace == "dsv4"
-                and any(a.name == _FLAG for a in op._schema.arguments) and not _arguments(node).get(_FLAG)):
+        if not (_is_dsv4_call(node) and any(a.name == _FLAG for a in node.target._schema.arguments)
+                and not call_arguments(node, node.target)[_FLAG]):
             return False
         written = _written(node)
         return bool(written) and all(isinstance(v := w.meta.get("val"), torch.Tensor) and v.device.type in self.devices
                                      for w in written)
 
 
-def _arguments(node: torch.fx.Node) -> dict:
-    """The call's arguments by name (defaults left out)."""
-    named = dict(zip((a.name for a in node.target._schema.arguments), node.args))
-    named.update(node.kwargs)
-    return named
-
-
 def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The nodes an in-place ``dsv4::`` call writes (its schema's mutated arguments)."""
-    named = _arguments(node)
+    named = call_arguments(node, node.target)
     out = []
     for a in node.target._schema.arguments:
         if a.alias_info is not None and a.alias_info.is_write:
@@ -98,7 +90,7 @@ def _move_up(graph: torch.fx.Graph, write: torch.fx.Node) -> None:
     """Put ``write`` right after the last node above it that it must follow."""
     inputs, written = set(write.all_input_nodes), _memory(_written(write))
     node = write.prev
-    while node.op != "root" and not (node in inputs or node.op == "placeholder" or _mutates(node)
+    while node.op != "root" and not (node in inputs or node.op == "placeholder" or may_mutate(node)
                                      or written.intersection(node.all_input_nodes)):
         node = node.prev
     if node is not write.prev:
@@ -118,8 +110,8 @@ def _first_to_follow(write: torch.fx.Node, side: set[torch.fx.Node]) -> torch.fx
             continue
         if written.intersection(node.all_input_nodes):
             return node
-        if _mutates(node):
-            mine = _written(node) if _is_dsv4_in_place(node) else None
+        if may_mutate(node):
+            mine = _written(node) if _is_dsv4_call(node) else None
             if mine is None or inputs.intersection(_memory(mine)):
                 return node
         node = node.next
@@ -151,7 +143,7 @@ def _is_view(node: object) -> bool:
             and (op.is_view or op is torch.ops.aten._unsafe_view.default) and isinstance(node.args[0], torch.fx.Node))
 
 
-def _is_dsv4_in_place(node: torch.fx.Node) -> bool:
+def _is_dsv4_call(node: torch.fx.Node) -> bool:
     op = node.target
     return node.op == "call_function" and isinstance(op, torch._ops.OpOverload) and op.namespace == "dsv4"
 

@@ -13,8 +13,8 @@ launch less a layer at decode sizes), the norm + RoPE fusion (docs/compile.md, "
 fusion pass") and, after it, the key's cache write folded into its norm + RoPE (one launch less a
 layer), the mutating ops called in place where Inductor would call them so (no launch saved:
 compile time), and after them each compressor's cache write folded into the compressor (one
-launch less a compressor; in Dynamo's graph already when the pre-grad stage runs). Another list is given by name, e.g.
-``DSV4PassManager([FuseStepMetadataPass()])``.
+launch less a compressor; in Dynamo's graph already when the pre-grad stage runs). Another list
+is given by name, e.g. ``DSV4PassManager([FuseStepMetadataPass()])``.
 """
 
 from __future__ import annotations
