@@ -87,6 +87,9 @@ orders or in separate processes):
     compiled_step_graphs_side_stream  whole-step graphs with ``OverlapCacheWritesPass`` added to the
                    default passes (each layer's cache writes on a second stream, beside the query's
                    products); not in the default ``--ways``
+    compiled_step_graphs_q_norm_apart  whole-step graphs with each query latent's norm a launch of
+                   its own (``FuseSharedInputLinearsPass(fold_input_norm=False)``), not folded into
+                   the ``q_b_proj`` products' ``dsv4::linears``; not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -139,26 +142,26 @@ from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
 from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, hbm_tbps_argument, header,
                                         host_us_per_call, learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
-                                        normalise_after_sum, posted_max_tokens, profile_steps, wall_call,
-                                        weight_prefetch)
+                                        normalise_after_sum, passes_configured, passes_without, posted_max_tokens,
+                                        profile_steps, wall_call, weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
 def _without(kind: type) -> Callable[[], list]:
     """The default passes less the one of type ``kind``."""
-    return lambda: [p for p in default_passes() if not isinstance(p, kind)]
+    return lambda: passes_without(kind)
 
 
-def _lone_linears(min_k: int | None) -> Callable[[], list]:
-    """The default passes, products with no other of their input through ``dsv4::linears`` from
-    K = ``min_k`` on (None: all of them left to cuBLAS)."""
-    return lambda: [FuseSharedInputLinearsPass(lone_min_k=min_k) if isinstance(p, FuseSharedInputLinearsPass) else p
-                    for p in default_passes()]
+def _linears_pass(**settings) -> Callable[[], list]:
+    """The default passes with ``FuseSharedInputLinearsPass(**settings)``: ``lone_min_k`` (products
+    with no other of their input through ``dsv4::linears`` from that K on; None: all of them left
+    to cuBLAS), ``fold_input_norm``."""
+    return lambda: passes_configured(FuseSharedInputLinearsPass, **settings)
 
 
 # compiled with the default passes less one, or one of them configured otherwise
 PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass),
-                 "compiled_lone_linears_cublas": _lone_linears(None),
+                 "compiled_lone_linears_cublas": _linears_pass(lone_min_k=None),
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
@@ -170,7 +173,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
         "compiled_step_graphs_switches_on",
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
-        "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream")
+        "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
+        "compiled_step_graphs_q_norm_apart")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -598,7 +602,9 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_combo": (None, lambda b: _step_graphs(b, options={"combo_kernels": True})),
     # each step's graph captures hc_post, then hc_pre
     "compiled_step_graphs_hc_post_apart": (lambda: posted_max_tokens(0), _step_graphs),
-    "compiled_step_graphs_all_lone_linears": (None, _with_passes(_lone_linears(1), cuda_graphs="step")),
+    "compiled_step_graphs_all_lone_linears": (None, _with_passes(_linears_pass(lone_min_k=1), cuda_graphs="step")),
+    "compiled_step_graphs_q_norm_apart":
+        (None, _with_passes(_linears_pass(fold_input_norm=False), cuda_graphs="step")),
     "compiled_step_graphs_router_topk":
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),

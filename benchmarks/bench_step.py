@@ -27,6 +27,9 @@ Ways (the same stack, cache and step tensors):
     compile-step-graphs-side-stream  compile-step-graphs with ``OverlapCacheWritesPass`` added to
                      the default passes: each layer's cache writes on a second stream, beside the
                      query's products
+    compile-step-graphs-q-norm-apart  compile-step-graphs with each query latent's norm a launch of
+                     its own, not folded into its ``q_b`` products (``FuseSharedInputLinearsPass(
+                     fold_input_norm=False)``)
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -61,30 +64,28 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
 from dsv4_compile.engine import Engine
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
-                                    OverlapCacheWritesPass)
+                                    FuseSharedInputLinearsPass, OverlapCacheWritesPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_call, linears_max_rows,
-                                        profile_steps)
+                                        passes_configured, passes_without, profile_steps)
 
 GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl",
               "compile-step-graphs-mm-above-16", "compile-step-graphs-entry-store-apart",
               "compile-step-graphs-rotation-apart", "compile-step-graphs-side-stream",
-              "manual-graph")  # --profile / --host
+              "compile-step-graphs-q-norm-apart", "manual-graph")  # --profile / --host
 # --host: also back to back, and the graph alone
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16",
                    "compile-step-graphs-entry-store-apart", "compile-step-graphs-rotation-apart",
-                   "compile-step-graphs-side-stream")
-# ways with whole-step graphs compiled with the default passes less one
-WITHOUT_PASS = {"compile-step-graphs-entry-store-apart": FuseEntryStorePass,
-                "compile-step-graphs-rotation-apart": FuseAttentionInverseRopePass}
+                   "compile-step-graphs-side-stream", "compile-step-graphs-q-norm-apart")
+# ways with whole-step graphs compiled with other passes than the defaults
+PASSES = {"compile-step-graphs-entry-store-apart": lambda: passes_without(FuseEntryStorePass),
+          "compile-step-graphs-rotation-apart": lambda: passes_without(FuseAttentionInverseRopePass),
+          "compile-step-graphs-side-stream": lambda: [*default_passes(), OverlapCacheWritesPass()],
+          "compile-step-graphs-q-norm-apart":
+              lambda: passes_configured(FuseSharedInputLinearsPass, fold_input_norm=False)}
 # ways measured (and so captured) under a kernel setting: the products of more than 16 rows through
 # cuBLAS, as before dsv4::linears took up to 64
 SETTINGS = {"compile-step-graphs-mm-above-16": lambda: linears_max_rows(16)}
-
-
-def _passes_without(kind: type) -> DSV4PassManager:
-    """The default passes less the one of type ``kind``."""
-    return DSV4PassManager([p for p in default_passes() if not isinstance(p, kind)])
 
 
 def parse_args():
@@ -243,10 +244,7 @@ def run(args) -> list[dict]:
                     "compile-step-graphs-mm-above-16": compile_step(stack, mode="reduce-overhead",
                                                                     cuda_graphs="step"),
                     **{way: compile_step(stack, mode="reduce-overhead", cuda_graphs="step",
-                                         passes=_passes_without(kind)) for way, kind in WITHOUT_PASS.items()},
-                    "compile-step-graphs-side-stream": compile_step(
-                        stack, mode="reduce-overhead", cuda_graphs="step",
-                        passes=DSV4PassManager([*default_passes(), OverlapCacheWritesPass()]))}
+                                         passes=DSV4PassManager(passes())) for way, passes in PASSES.items()}}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
         for b in batches:

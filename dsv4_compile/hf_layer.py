@@ -4,7 +4,8 @@
 (``project_q_kv``, ``output``, ``compressor``, ``indexer``, ``attn_sink``, ``inv_freq``, ...).
 :class:`HFAttention` provides them over the model's own modules: every projection and norm is a
 call of the module that holds the checkpoint weight (so quantised linears keep working), and no
-parameter is copied. Differences from ``transformers``' eager arithmetic (RoPE angles in fp32,
+parameter is copied; the query latent's norm, ``transformers``' own RMSNorm, is that math as
+``dsv4::rms_norm`` on the module's weight. Differences from ``transformers``' eager arithmetic (RoPE angles in fp32,
 compressor pooling in fp32, FP8 cache) are listed in docs/semantics.md §7.
 """
 
@@ -88,11 +89,23 @@ class HFAttention(nn.Module):
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(q [T, H, 512], kv [T, 512], q_lora [T, q_lora])`` of ``x [T, hidden]``, RoPE at ``positions``."""
         a = self.attn
-        q_lora = a.q_a_norm(a.q_a_proj(x))
+        q_lora = self._q_latent_norm(a.q_a_proj(x))
         q = a.q_b_norm(a.q_b_proj(q_lora).view(x.shape[0], self.config.num_heads, HEAD_DIM))
         q = ops.rope_tail(q, positions.unsqueeze(1), self.inv_freq)
         kv = ops.rope_tail(a.kv_norm(a.kv_proj(x)), positions, self.inv_freq)
         return q, kv, q_lora
+
+    def _q_latent_norm(self, q_lora: torch.Tensor) -> torch.Tensor:
+        """``q_a_norm`` of the query latent: ``transformers``' ``DeepseekV4RMSNorm`` with a plain
+        weight is called as ``dsv4::rms_norm`` on that weight (the same math), which
+        ``FuseSharedInputLinearsPass`` folds into the ``q_b_proj`` products that read it; any
+        other module is called as it is."""
+        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
+
+        norm = self.attn.q_a_norm
+        if type(norm).forward is not DeepseekV4RMSNorm.forward or not is_plain_tensor(norm.weight):
+            return norm(q_lora)
+        return ops.rms_norm(q_lora, norm.weight, norm.variance_epsilon)
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""

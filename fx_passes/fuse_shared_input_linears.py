@@ -30,6 +30,12 @@ the pre-grad stage): two or more bias-free ``F.linear(x, w)`` of one 2-D ``x`` b
 become the ``linears`` call there, so AOTAutograd traces one node instead of a transpose and a
 product each (a 43-layer stack's compile on the CPU: ~2.5 s less of ~31). A lone product, or
 one with a bias, is left to the post-grad stage, after Inductor's own patterns.
+
+There too, where ``x`` is a weighted ``dsv4::rms_norm`` that only those products read (a layer's
+query latent, ``q_a_norm`` and then ``q_b_proj`` and the indexer's ``q_b_proj``), the norm folds
+into the call (``linears(input, weights, norm_weight, eps)``: the kernel norms x's rows in its K
+loop) and its launch goes; a lone product of such an x becomes a call too, whatever its K.
+``fold_input_norm=False`` leaves the norm as its own node.
 """
 
 from __future__ import annotations
@@ -42,10 +48,11 @@ import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::linears)
 from ..ops.linear import DTYPES
-from .base import OnDevicesPass, traced_value
+from .base import OnDevicesPass, call_arguments, traced_value
 
 _aten = torch.ops.aten
 _LINEARS = torch.ops.dsv4.linears.default
+_NORMS = (torch.ops.dsv4.rms_norm, torch.ops.dsv4.rms_norm.default)  # as Dynamo's graph records the op
 _RESHAPES = (_aten.reshape.default, _aten.view.default, _aten._unsafe_view.default)
 
 
@@ -53,10 +60,12 @@ LONE_MIN_K = 4096
 
 
 class FuseSharedInputLinearsPass(OnDevicesPass):
-    def __init__(self, devices: Sequence[str] = ("cuda",), lone_min_k: int | None = LONE_MIN_K) -> None:
-        """``lone_min_k=None``: products with no other of their input are left as they are."""
+    def __init__(self, devices: Sequence[str] = ("cuda",), lone_min_k: int | None = LONE_MIN_K,
+                 fold_input_norm: bool = True) -> None:
+        """``lone_min_k=None``: products with no other of their input are left as they are.
+        ``fold_input_norm=False``: an input's ``dsv4::rms_norm`` stays a node of its own."""
         super().__init__(devices)
-        self.lone_min_k = lone_min_k
+        self.lone_min_k, self.fold_input_norm = lone_min_k, fold_input_norm
 
     def apply(self, graph: torch.fx.Graph) -> int:
         by_input: dict[object, list[tuple[torch.fx.Node, torch.fx.Node]]] = defaultdict(list)  # (product, w)
@@ -86,11 +95,23 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
                 by_input[lin.args[0]].append((lin, w))
         matches = 0
         for x, group in by_input.items():
-            if len(group) >= 2:
-                lins, weights = map(list, zip(*group))
-                _replace(graph, x, lins, weights, key="example_value")
+            lins, weights = map(list, zip(*group))
+            norm = self._folded_norm(x, lins)
+            if len(group) >= 2 or norm is not None:
+                _replace(graph, x, lins, weights, key="example_value", norm=norm)
                 matches += 1
         return matches
+
+    def _folded_norm(self, x: torch.fx.Node, lins: list[torch.fx.Node]) -> tuple | None:
+        """``(input, weight, eps)`` of ``x = dsv4.rms_norm(input, weight, eps)`` when the norm
+        folds into the products ``lins`` of x: it has a weight, and nothing but those products
+        reads x (a lone product too: the kernel then saves the norm's launch). Else None."""
+        if not (self.fold_input_norm and x.op == "call_function" and x.target in _NORMS):
+            return None
+        args = call_arguments(x, torch.ops.dsv4.rms_norm)
+        if args["weight"] is None or set(x.users) != set(lins):
+            return None
+        return args["x"], args["weight"], args["eps"]
 
     def _pre_grad_weight_of(self, lin: torch.fx.Node) -> torch.fx.Node | None:
         """The placeholder ``w`` of ``F.linear(x, w)`` (no bias) in Dynamo's graph when the
@@ -131,7 +152,7 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         return w if ok else None
 
     def settings(self) -> tuple:
-        return (*super().settings(), self.lone_min_k)
+        return (*super().settings(), self.lone_min_k, self.fold_input_norm)
 
 
 def _operands(product: torch.fx.Node) -> tuple:
@@ -150,13 +171,15 @@ def _input_key(x: torch.fx.Node) -> object:
 
 
 def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.Node], weights: list[torch.fx.Node],
-             key: str = "val") -> None:
+             key: str = "val", norm: tuple | None = None) -> None:
     """One ``linears`` node before the first of ``products`` (in graph order: ``aten.mm`` /
     ``aten.addmm`` calls post-grad, ``F.linear`` calls in Dynamo's graph); each product's users read
     its output instead (plus its ``b``, for an ``addmm``). ``key``: the meta entry of the graph's
-    values (``"val"``, Dynamo's ``"example_value"``)."""
+    values (``"val"``, Dynamo's ``"example_value"``). ``norm = (input, weight, eps)``: x is that
+    RMSNorm, which the node takes in its place (and x's node goes)."""
     with graph.inserting_before(products[0]):
-        fused = graph.call_function(_LINEARS, (x, weights))
+        args = (x, weights) if norm is None else (norm[0], weights, *norm[1:])
+        fused = graph.call_function(_LINEARS, args)
         fused.meta[key] = [p.meta[key] for p in products]
         outs = []
         for i, product in enumerate(products):
@@ -174,3 +197,5 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.No
             if (isinstance(node, torch.fx.Node) and not node.users
                     and node.target in (*_RESHAPES, _aten.t.default, _aten.permute.default)):
                 graph.erase_node(node)
+    if norm is not None:
+        graph.erase_node(x)

@@ -3,7 +3,8 @@
 The model does not call the op: a compiled step gets it from ``FuseSharedInputLinearsPass``
 (``fx_passes/fuse_shared_input_linears.py``), which replaces the bf16 matmuls of one activation by
 weights of the graph (a layer's q / kv / compressor / indexer projections of the normed hidden
-state) by one call. On CUDA a call with at most 64 rows is one Triton launch
+state) by one call, and folds an RMSNorm that only those products read into it (the query
+latent's ``q_a_norm``). On CUDA a call with at most 64 rows is one Triton launch
 (``ops/kernels/linear.py``, up to 8 weights a launch); more rows, and other devices, run each
 product as ``torch.mm``.
 
@@ -36,31 +37,53 @@ DTYPES = (torch.bfloat16, torch.float16)  # what the kernels compute
 GROUPED_DTYPES = (*DTYPES, torch.float32)
 
 
-def _check_linears(x, weights) -> None:
+def _check_linears(x, weights, norm_weight=None, eps=0.0) -> None:
     check_tensor("linears", "x", x, dtypes=DTYPES, ndim=2)
     if not weights:
         raise ValueError("dsv4.linears: weights must hold at least one tensor")
     for g, w in enumerate(weights):
         check_tensor("linears", f"weights[{g}]", w, dtypes=(x.dtype,), ndim=2, shape=(None, x.shape[1]))
-    check_devices("linears", x=x, **{f"weights[{g}]": w for g, w in enumerate(weights)})
+    if norm_weight is not None:
+        check_tensor("linears", "norm_weight", norm_weight, dtypes=(torch.float32, x.dtype), ndim=1,
+                     shape=(x.shape[1],))
+    if not eps >= 0:
+        raise ValueError(f"dsv4.linears: eps must be >= 0, got {eps}")
+    check_devices("linears", x=x, norm_weight=norm_weight, **{f"weights[{g}]": w for g, w in enumerate(weights)})
 
 
-def _linears_fake(x, weights):
+def _linears_fake(x, weights, norm_weight=None, eps=0.0):
     return [x.new_empty(x.shape[0], w.shape[0]) for w in weights]
 
 
-def _linears_cuda(x, weights):
+def _linears_cuda(x, weights, norm_weight=None, eps=0.0):
     if x.shape[0] > kernels.MAX_ROWS:
-        return [torch.mm(x, w.t()) for w in weights]
+        return linears_reference(x, weights, norm_weight, eps)
     step = kernels.MAX_WEIGHTS  # a launch's pointer arguments
-    return [out for i in range(0, len(weights), step) for out in kernels.launch_linears(x, list(weights[i:i + step]))]
+    return [out for i in range(0, len(weights), step)
+            for out in kernels.launch_linears(x, list(weights[i:i + step]), norm_weight=norm_weight, eps=eps)]
+
+
+def linears_reference(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
+                      eps: float = 0.0) -> list[torch.Tensor]:
+    """The products ``linears`` stands for, as ``torch.mm`` calls (after the norm's torch ops)."""
+    if norm_weight is not None:
+        x = ref.rms_norm(x, norm_weight, eps)
+    return [torch.mm(x, w.t()) for w in weights]
 
 
 @dsv4_op("linears", check=_check_linears, fake=_linears_fake, cuda=_linears_cuda if HAS_TRITON else None)
-def linears(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+def linears(x: torch.Tensor, weights: list[torch.Tensor], norm_weight: torch.Tensor | None = None,
+            eps: float = 0.0) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]``: ``x [M, K]`` bf16 / fp16, each ``w [N_g, K]`` of x's dtype
-    (at least one) -> ``[M, N_g]`` each, x's dtype."""
-    return [torch.mm(x, w.t()) for w in weights]
+    (at least one) -> ``[M, N_g]`` each, x's dtype.
+
+    With ``norm_weight [K]`` (fp32 or x's dtype) the products are of x RMS-normed first,
+    ``rms_norm(x, norm_weight, eps)`` (``dsv4::rms_norm``'s math): a layer's query latent, normed
+    and then projected by ``q_b_proj`` (and the indexer's ``q_b_proj``). The kernel folds the norm
+    into its K loop (one launch where the norm was one of its own); its rounding then falls on
+    ``x * norm_weight`` before the product and on the product after the row's scale, where the
+    reference rounds the normed row (the outputs agree to a rounding of the output dtype)."""
+    return linears_reference(x, weights, norm_weight, eps)
 
 
 def _check_grouped_linear(x, w, positions=None, inv_freq=None, head_dim=0) -> None:

@@ -21,6 +21,8 @@ busy so that no call waits for it.
 Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
 :func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
 :func:`learned_router_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
+Pass lists (:func:`passes_without`, :func:`passes_configured`): the default passes less one, or
+with one set otherwise.
 """
 
 from __future__ import annotations
@@ -359,3 +361,15 @@ def learned_router_op(enabled: bool):
     from .. import hf_experts
 
     return _kernel_setting(hf_experts, "LEARNED_ROUTER_OP", enabled)
+
+
+def passes_without(kind: type) -> list:
+    """The default passes less the one of type ``kind``."""
+    from ..fx_passes.pass_manager import default_passes
+    return [p for p in default_passes() if not isinstance(p, kind)]
+
+
+def passes_configured(kind: type, **settings) -> list:
+    """The default passes with the one of type ``kind`` made as ``kind(**settings)``."""
+    from ..fx_passes.pass_manager import default_passes
+    return [kind(**settings) if isinstance(p, kind) else p for p in default_passes()]

@@ -148,8 +148,9 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
 
 
 @triton.jit
-def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first,
-                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr):
+def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first, norm_ptr, eps,
+                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr,
+                  NORM: tl.constexpr):
     """``x[:, ks] @ w_rows[:, ks].T`` for ``ks = [k_start, min(k_start + k_span, K))`` as an fp32
     ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the pointers to the program's weight rows
     (``row_ok`` masks those past the weight), streamed along K once; x (unit stride along K,
@@ -157,7 +158,12 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_firs
     (not the range's end): Triton knows K's divisibility and keeps them vectorised.
     ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns of the
     range are requested into the L2 (masked lanes ask for ``w_first``, the weight's first element),
-    then the program waits for its predecessor and triggers its dependents."""
+    then the program waits for its predecessor and triggers its dependents.
+    ``NORM`` (the range is all of K): the product of x's rows RMS-normed with weight ``norm [K]``
+    (fp32 math, x's dtype), as ``rms_norm(x, norm, eps) @ w.T`` up to where the rounding falls: each
+    K block of x enters the product as ``x * norm`` rounded to x's dtype while the block's squares
+    add up, and the fp32 tile is scaled by each row's ``rsqrt(mean(x^2) + eps)`` at the end (no
+    second pass over x before the first product)."""
     if PREFETCH_K > 0:
         lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
         prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
@@ -165,12 +171,19 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_firs
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+    squares = tl.zeros((M_PAD,), dtype=tl.float32)
     for k0 in range(k_start, k_start + k_span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
         x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        if NORM:
+            xf = x.to(tl.float32)
+            squares += tl.sum(xf * xf, axis=1)
+            x = (xf * tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)[None, :]).to(x.dtype)
         wt = tl.load(w_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         acc = tl.dot(x, tl.trans(wt), acc)
+    if NORM:
+        acc *= tl.rsqrt(squares / K + eps)[:, None]
     return acc
 
 
@@ -185,14 +198,15 @@ def _owner(pid, w, o, n, first, cur_w, cur_o, cur_n, cur_first):
 
 
 @triton.jit
-def _linears_kernel(x_ptr, M, K, stride_x, part_ptr, counters_ptr, tiles, split, k_per_split,
+def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr, tiles, split, k_per_split,
                     w0, o0, n0, t0, w1, o1, n1, t1, w2, o2, n2, t2, w3, o3, n3, t3,
                     w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7,
                     G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREFETCH_K: tl.constexpr, SPLIT_K: tl.constexpr):
+                    PREFETCH_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr):
     """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns tiles ``[t_g, t_{g+1})``:
     ``o_g[:, tile] = x @ w_g[tile].T``. Program ``(tile, s)`` takes K columns ``[s k_per_split,
-    +k_per_split)``; with ``SPLIT_K`` the tile's last program sums the ``split`` partials."""
+    +k_per_split)``; with ``SPLIT_K`` the tile's last program sums the ``split`` partials. ``NORM``
+    (never split): x RMS-normed with ``norm [K]`` and ``eps`` first (:func:`_rows_product`)."""
     pid = tl.program_id(0)
     w, o, n, first = w0.to(tl.int64), o0.to(tl.int64), n0, t0
     if G > 1:
@@ -217,7 +231,8 @@ def _linears_kernel(x_ptr, M, K, stride_x, part_ptr, counters_ptr, tiles, split,
     rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < n
     acc = _rows_product(x_ptr, stride_x, M, K, tl.program_id(1) * k_per_split, k_per_split,
-                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K)
+                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, norm_ptr, eps, M_PAD, BLOCK_N, BLOCK_K,
+                        PREFETCH_K, NORM)
     m = tl.arange(0, M_PAD)
     out = out_ptr + m[:, None] * n + rows[None, :]
     out_ok = (m < M)[:, None] & row_ok[None, :]
@@ -230,12 +245,15 @@ def _linears_kernel(x_ptr, M, K, stride_x, part_ptr, counters_ptr, tiles, split,
 
 
 def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None,
-                   split_k: bool = False) -> list[torch.Tensor]:
+                   split_k: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0
+                   ) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch: ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit
     stride along K), each ``w [N_g, K]`` contiguous of x's dtype, 1 to :data:`MAX_WEIGHTS` of
     them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, and
     ``split_k``: whether K may be split over programs; without a config both are
-    :func:`default_config`'s of K and the weights' rows."""
+    :func:`default_config`'s of K and the weights' rows. With ``norm_weight [K]`` (fp32 or x's
+    dtype) the products are of ``rms_norm(x, norm_weight, eps)`` (K is then never split: each
+    program needs whole rows of x for their norms)."""
     m, k = x.shape
     if m > MAX_ROWS or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"launch_linears: {m} rows and {len(weights)} weights; the kernel takes at most "
@@ -257,17 +275,18 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     args = []
     for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
         args += [weights[g], outs[g], weights[g].shape[0], firsts[g]] if g < len(weights) else [x, x, 0, tiles]
-    split, k_per_split = _split_plan(tiles, k, block_k, x.device) if split_k else (1, k)
+    split, k_per_split = _split_plan(tiles, k, block_k, x.device) if split_k and norm_weight is None else (1, k)
     # the partials' workspace and the tiles' arrival counters (zeroed per launch: a buffer kept
     # between launches would be owned by the first CUDA graph whose warm-up made it); unread (x in
     # their place) without a split
     part = x.new_empty((split, tiles, m_pad, block_n), dtype=torch.float32) if split > 1 else x
     counters = torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1 else x
     prefetch_k = _pdl_prefetch_k(k_per_split, block_n, x.element_size(), x.device)
-    _linears_kernel[(tiles, split)](x, m, k, x.stride(0), part, counters, tiles, split, k_per_split, *args,
-                                    G=len(weights), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-                                    PREFETCH_K=prefetch_k, SPLIT_K=split > 1, num_warps=warps, num_stages=stages,
-                                    launch_pdl=prefetch_k > 0)
+    norm = norm_weight.contiguous() if norm_weight is not None else x  # unread without a norm
+    _linears_kernel[(tiles, split)](x, m, k, x.stride(0), norm, float(eps), part, counters, tiles, split, k_per_split,
+                                    *args, G=len(weights), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
+                                    PREFETCH_K=prefetch_k, SPLIT_K=split > 1, NORM=norm_weight is not None,
+                                    num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
     return outs
 
 
@@ -282,8 +301,8 @@ def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr,
-                        M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K)
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr, x_ptr, 0.0,
+                        M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K, False)
     m = tl.arange(0, M_PAD)
     out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
     tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])

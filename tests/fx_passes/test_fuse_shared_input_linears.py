@@ -115,6 +115,16 @@ class _CountingAddmm(FuseSharedInputLinearsPass):
         return matches
 
 
+class _CountingNorms(FuseSharedInputLinearsPass):
+    """The pass, recording ``(weights, eps)`` of each ``linears`` node of Dynamo's graph with a
+    folded norm."""
+
+    def apply_pre_grad(self, graph):
+        matches = super().apply_pre_grad(graph)
+        self.folded = [(n, eps) for n, eps in _linears_with_norms(graph) if eps is not None]
+        return matches
+
+
 @torch.no_grad()
 def test_attention_stack_output_product_and_residual_fused():
     """compile_step of a 2-layer attention stack: Inductor makes each layer's ``o_b`` product and
@@ -161,10 +171,49 @@ def test_projections_of_one_input_fused_in_dynamos_graph():
     assert FuseSharedInputLinearsPass().apply_pre_grad(dynamo_graph(_projections, *args)[0].graph) == 0  # CUDA only
 
 
-def test_uuid_follows_the_devices_and_lone_min_k():
+def _normed_projections(x, w1, w2, w_lone, norm, norm2):
+    """Products of RMS-normed inputs: two of one weighted norm, a lone one of another, one of a
+    norm that something else reads too, two of an unweighted norm."""
+    rms_norm, y = torch.ops.dsv4.rms_norm, torch.nn.functional.linear
+    h = rms_norm(x, norm, 1e-6)
+    shared = rms_norm(x + 1, norm, 1e-6)
+    unweighted = rms_norm(x - 1, None, 1e-6)
+    return (y(h, w1), y(h, w2), y(rms_norm(x * 2, norm2, 1e-5), w_lone), y(shared, w1), shared.sum(),
+            y(unweighted, w1), y(unweighted, w2))
+
+
+def _linears_with_norms(graph: torch.fx.Graph) -> list[tuple[int, float | None]]:
+    """``(weights, eps or None)`` of each ``linears`` node: the eps of a folded norm."""
+    nodes = graph.find_nodes(op="call_function", target=torch.ops.dsv4.linears.default)
+    return [(len(n.args[1]), n.args[3] if len(n.args) > 2 else None) for n in nodes]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
+def test_input_norm_folds_into_its_products_in_dynamos_graph(norm_dtype):
+    """A weighted ``dsv4::rms_norm`` read only by products folds into their ``linears`` call,
+    a lone product's too (its launch is then saved whatever K); a norm read by anything else, or
+    unweighted, stays a node of its own. Same bits on the CPU (the op's reference is the norm, then
+    ``torch.mm``). With ``fold_input_norm=False`` every norm stays."""
+    x = torch.randn(3, 64, **bf16) * 5
+    args = (x, *_weights(8, 16, 4), (torch.rand(64) + 0.5).to(norm_dtype), (torch.rand(64) + 0.5).to(norm_dtype))
+    norms = (torch.ops.dsv4.rms_norm, torch.ops.dsv4.rms_norm.default)
+    for fold, want_linears, want_norms in ((True, [(2, 1e-6), (1, 1e-5), (2, None)], 2),
+                                           (False, [(2, None), (2, None)], 4)):
+        gm, inputs = dynamo_graph(_normed_projections, *args)
+        fuse = FuseSharedInputLinearsPass(("cpu",), fold_input_norm=fold)
+        assert fuse.apply_pre_grad(gm.graph) == len(want_linears)
+        gm.recompile()
+        assert _linears_with_norms(gm.graph) == want_linears
+        assert sum(len(gm.graph.find_nodes(op="call_function", target=t)) for t in norms) == want_norms
+        for got, want in zip(gm(*inputs), _normed_projections(*args), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_uuid_follows_the_devices_lone_min_k_and_the_norm_fold():
     uuids = {FuseSharedInputLinearsPass(("cpu",)).uuid(), FuseSharedInputLinearsPass().uuid(),
-             FuseSharedInputLinearsPass(lone_min_k=None).uuid()}
-    assert len(uuids) == 3
+             FuseSharedInputLinearsPass(lone_min_k=None).uuid(), FuseSharedInputLinearsPass(fold_input_norm=False).uuid()}
+    assert len(uuids) == 4
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")  # transformers' MoE code under Dynamo
@@ -173,13 +222,14 @@ def test_model_step_fuses_each_layers_projections():
     """compile_step of a 2-layer model (sliding, then CSA) with the default passes and this one:
     in each layer the products of the normed hidden state (q_a, kv; on the CSA layer also the
     compressor's, the indexer's compressor and weights) and those of the post-attention norm (the
-    router, the shared expert's gate and up) fuse, and on the CSA layer the two of the query latent
-    (q_b and the indexer's q_b): 5 nodes. Each layer calls its o_a_proj as one grouped_linear
-    itself (2 nodes), so FuseGroupedLinearPass finds no bmm to rewrite. With Inductor rounding where
-    eager rounds the logits are the eager backend's, bit for bit."""
+    router, the shared expert's gate and up) fuse, and the query latent's products with its norm
+    folded in (the sliding layer's lone q_b; the CSA layer's q_b and the indexer's q_b): 6 nodes,
+    2 with a norm. Each layer calls its o_a_proj as one grouped_linear itself (2 nodes), so
+    FuseGroupedLinearPass finds no bmm to rewrite. With Inductor rounding where eager rounds the
+    logits are the eager backend's, bit for bit."""
     config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
     backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    fuse, grouped = FuseSharedInputLinearsPass(("cpu",)), FuseGroupedLinearPass(("cpu",))
+    fuse, grouped = _CountingNorms(("cpu",)), FuseGroupedLinearPass(("cpu",))
     ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
@@ -187,6 +237,7 @@ def test_model_step_fuses_each_layers_projections():
     with fresh_compile_state():
         passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse, grouped])
         got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
-    assert fuse.matched_count == grouped.last_ops.count(FUSED) == 5
+    assert fuse.matched_count == grouped.last_ops.count(FUSED) == 6
+    assert [n for n, eps in fuse.folded] == [1, 2] and {eps for n, eps in fuse.folded} == {config.rms_norm_eps}
     assert grouped.matched_count == 0 and grouped.last_ops.count("dsv4.grouped_linear.default") == 2
     assert torch.equal(got, want)

@@ -20,13 +20,14 @@ from tests.support.compile_checks import fresh_compile_state
 pytestmark = pytest.mark.gpu
 
 # pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers' normed hidden
-# states + the 2 CSA layers' query latents; the MoE's router is alone, its shared expert running in
-# dsv4::moe_experts, and no lone product has K >= 4096 at hidden 256); the norm + RoPE chains (4
+# states + 4 layers' query latents, their norms folded in: a group in each CSA layer, a lone q_b in the
+# others; the MoE's router is alone, its shared expert running in dsv4::moe_experts, and no other lone
+# product has K >= 4096 at hidden 256); the norm + RoPE chains (4
 # layers x query and key); the keys' cache writes (4 layers); the compressors' cache writes (2 CSA
 # layers x attention and indexer compressor, 1 HCA layer); the attention outputs' inverse RoPE (4
 # layers). (Each layer calls its grouped o_a_proj as dsv4::grouped_linear itself:
 # FuseGroupedLinearPass has nothing to rewrite here.)
-MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5),
+MATCHES = [(FuseSharedInputLinearsPass, 8), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5),
            (FuseAttentionInverseRopePass, 4)]
 EXACT = (FuseEntryStorePass,)
 

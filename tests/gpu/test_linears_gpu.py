@@ -40,6 +40,23 @@ def test_lone_products_of_deep_k_equal_mm(rows):
         _assert_bf16_close(torch.ops.dsv4.linears(x, [w])[0], x @ w.T)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 17, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
+@torch.no_grad()
+def test_query_latent_norm_folded_equals_norm_then_mm(rows):
+    """The query latent's products with its RMSNorm folded in (K 1024): a CSA layer's q_b and the
+    indexer's q_b in one launch, another layer's lone q_b; fp32 and bf16 norm weights."""
+    from dsv4_compile.reference.functional import rms_norm
+
+    g = torch.Generator(device="cuda").manual_seed(rows)
+    x = (torch.randn(rows, 1024, device="cuda", generator=g) * 3).bfloat16()
+    weights = [(torch.randn(n, 1024, device="cuda", generator=g) * 0.02).bfloat16() for n in (64 * 512, 64 * 128)]
+    for norm in (torch.rand(1024, device="cuda", generator=g) + 0.5, torch.rand(1024, device="cuda").bfloat16() + 0.5):
+        normed = rms_norm(x, norm, 1e-6)
+        for group in (weights, weights[:1]):
+            for out, w in zip(torch.ops.dsv4.linears(x, group, norm, 1e-6), group):
+                _assert_bf16_close(out, normed @ w.T)
+
+
 @pytest.mark.parametrize("rows", [1, 8, kernels.MAX_ROWS, kernels.MAX_ROWS + 1])
 @torch.no_grad()
 def test_grouped_linear_equals_bmm(rows):

@@ -160,6 +160,47 @@ def test_split_k_matches_mm(device, m, rows):
         assert torch.equal(out, out2)
 
 
+@pytest.mark.parametrize("m", [1, 5, 17, kernels.MAX_ROWS])
+@pytest.mark.parametrize("norm_dtype", [torch.float32, "x"])
+def test_norm_in_the_k_loop_matches_mm_of_the_normed_rows(device, m, norm_dtype):
+    """With a norm weight the products are of ``rms_norm(x, norm, eps)``: rows of very different
+    scales (each normed by its own), a K that leaves a partial block, several weights; asked to
+    split K, the launch does not (a program needs whole rows for their norms) and gives the same
+    bits; without the norm the products are not these."""
+    from dsv4_compile.reference.functional import rms_norm
+
+    gen = torch.Generator(device=device).manual_seed(m)
+    dtype = DTYPES[-1]
+    scale = 10.0 ** torch.linspace(-2, 2, m, device=device)[:, None]
+    x = (torch.randn(m, 200, generator=gen, device=device) * scale).to(dtype)
+    norm = (1 + torch.rand(200, generator=gen, device=device)).to(dtype if norm_dtype == "x" else norm_dtype)
+    weights = [torch.randn(n, 200, generator=gen, device=device).to(dtype) for n in (40, 16, 7)]
+    outs = kernels.launch_linears(x, weights, SMALL, norm_weight=norm, eps=1e-6)
+    normed = rms_norm(x, norm, 1e-6)
+    for out, w in zip(outs, weights):
+        _close(out, normed @ w.T)
+    for got, again in zip(outs, kernels.launch_linears(x, weights, SMALL, split_k=True, norm_weight=norm, eps=1e-6)):
+        assert torch.equal(got, again)
+    assert not torch.allclose(outs[0].float(), (x @ weights[0].T).float(), rtol=0.1)
+    default = kernels.launch_linears(x, weights, norm_weight=norm, eps=1e-6)  # the default tile
+    _close(default[0], normed @ weights[0].T)
+
+
+def test_norm_eps_and_op_above_the_kernel_rows(device):
+    """``eps`` reaches the kernel (a row of zeros plus eps: tiny rows scale by ``rsqrt(eps)``);
+    above :data:`MAX_ROWS` rows the op runs the reference (norm, then ``torch.mm``)."""
+    from dsv4_compile.reference.functional import rms_norm
+
+    dtype = DTYPES[-1]
+    x = (torch.randn(3, 64, device=device) * 1e-3).to(dtype)
+    w, norm = torch.randn(24, 64, device=device).to(dtype), torch.rand(64, device=device) + 0.5
+    for eps in (1e-6, 1e-2):
+        _close(kernels.launch_linears(x, [w], norm_weight=norm, eps=eps)[0], rms_norm(x, norm, eps) @ w.T)
+    many = torch.randn(kernels.MAX_ROWS + 3, 64, device=device).to(dtype)
+    _close(torch.ops.dsv4.linears(many, [w], norm, 1e-6)[0], rms_norm(many, norm, 1e-6) @ w.T)
+    _close(torch.ops.dsv4.linears(many[:3], [w], norm, 1e-6)[0], rms_norm(many[:3], norm, 1e-6) @ w.T)
+
+
 def test_default_config_splits_only_small_groups_at_deep_k():
     assert kernels.default_config(4096, 1536) == (kernels.SPLIT_K_CONFIG, True)  # sliding q_a + kv
     assert kernels.default_config(4096, 8) == (kernels.SPLIT_K_CONFIG, True)  # a router alone

@@ -20,6 +20,17 @@ def test_equals_f_linear(rows):
         assert out.dtype == torch.bfloat16 and torch.equal(out, F.linear(x, w))
 
 
+@pytest.mark.parametrize("norm_dtype", [torch.float32, torch.bfloat16])
+def test_norm_weight_normalises_x_first(norm_dtype):
+    """With a norm weight: the products of ``dsv4::rms_norm(x, norm_weight, eps)``, bit for bit."""
+    x = torch.randn(5, 96).bfloat16() * 30
+    weights = [torch.randn(n, 96).bfloat16() for n in (3, 64)]
+    norm = (torch.rand(96) + 0.5).to(norm_dtype)
+    normed = torch.ops.dsv4.rms_norm(x, norm, 1e-5)
+    for out, w in zip(linears(x, weights, norm, 1e-5), weights):
+        assert torch.equal(out, F.linear(normed, w))
+
+
 def test_bad_arguments_name_themselves():
     x, w = torch.randn(3, 16).bfloat16(), torch.randn(4, 16).bfloat16()
     cases = [
@@ -29,6 +40,11 @@ def test_bad_arguments_name_themselves():
         ((x, [w, w.half()]), TypeError, r"weights\[1\] must have dtype"),
         ((x, [w, w[:, :8]]), ValueError, r"weights\[1\] has shape"),
         ((x, [w, w.to("meta")]), ValueError, r"weights\[1\] is on meta"),
+        ((x, [w], torch.ones(16).double()), TypeError, "norm_weight must have dtype"),
+        ((x, [w], torch.ones(8)), ValueError, "norm_weight has shape"),
+        ((x, [w], torch.ones(1, 16)), ValueError, "norm_weight must be 1-D"),
+        ((x, [w], torch.ones(16, device="meta")), ValueError, "norm_weight is on meta"),
+        ((x, [w], torch.ones(16), -1e-6), ValueError, "eps must be >= 0"),
     ]
     for args, error, message in cases:
         with pytest.raises(error, match=message):

@@ -205,6 +205,7 @@ def test_router_topk(tokens):
 @pytest.mark.parametrize("rows", [0, 3])
 def test_linears(rows):
     _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(n, 64).half() for n in (8, 5)]))
+    _opcheck(ops.linears, (torch.randn(rows, 64).half(), [torch.randn(8, 64).half()], torch.rand(64), 1e-6))
 
 
 @pytest.mark.parametrize("rows", [0, 3])
