@@ -87,9 +87,10 @@ orders or in separate processes):
     compiled_step_graphs_side_stream  whole-step graphs with ``OverlapCacheWritesPass`` added to the
                    default passes (each layer's cache writes on a second stream, beside the query's
                    products); not in the default ``--ways``
-    compiled_step_graphs_q_norm_apart  whole-step graphs with each query latent's norm a launch of
-                   its own (``FuseSharedInputLinearsPass(fold_input_norm=False)``), not folded into
-                   the ``q_b_proj`` products' ``dsv4::linears``; not in the default ``--ways``
+    compiled_step_graphs_q_norm_folded  whole-step graphs with each query latent's norm folded into
+                   its ``q_b_proj`` products' ``dsv4::linears`` launch
+                   (``FuseSharedInputLinearsPass(fold_input_norm=True)``), not a launch of its own;
+                   not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -174,7 +175,7 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_switches_on",
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
         "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
-        "compiled_step_graphs_q_norm_apart")
+        "compiled_step_graphs_q_norm_folded")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -603,8 +604,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     # each step's graph captures hc_post, then hc_pre
     "compiled_step_graphs_hc_post_apart": (lambda: posted_max_tokens(0), _step_graphs),
     "compiled_step_graphs_all_lone_linears": (None, _with_passes(_linears_pass(lone_min_k=1), cuda_graphs="step")),
-    "compiled_step_graphs_q_norm_apart":
-        (None, _with_passes(_linears_pass(fold_input_norm=False), cuda_graphs="step")),
+    "compiled_step_graphs_q_norm_folded":
+        (None, _with_passes(_linears_pass(fold_input_norm=True), cuda_graphs="step")),
     "compiled_step_graphs_router_topk":
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),

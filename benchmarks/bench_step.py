@@ -27,9 +27,9 @@ Ways (the same stack, cache and step tensors):
     compile-step-graphs-side-stream  compile-step-graphs with ``OverlapCacheWritesPass`` added to
                      the default passes: each layer's cache writes on a second stream, beside the
                      query's products
-    compile-step-graphs-q-norm-apart  compile-step-graphs with each query latent's norm a launch of
-                     its own, not folded into its ``q_b`` products (``FuseSharedInputLinearsPass(
-                     fold_input_norm=False)``)
+    compile-step-graphs-q-norm-folded  compile-step-graphs with each query latent's norm folded into
+                     its ``q_b`` products' launch, not a launch of its own (``FuseSharedInputLinearsPass(
+                     fold_input_norm=True)``)
     manual-graph     the seed's approach, minimal: static input buffers, the eager step captured
                      once with torch.cuda.CUDAGraph, inputs copied in before each replay
 
@@ -72,17 +72,17 @@ from dsv4_compile.testing.bench import (hbm_tbps_argument, header, host_us_per_c
 GRAPH_WAYS = ("reduce-overhead", "compile-step", "compile-step-graphs", "compile-step-graphs-pdl",
               "compile-step-graphs-mm-above-16", "compile-step-graphs-entry-store-apart",
               "compile-step-graphs-rotation-apart", "compile-step-graphs-side-stream",
-              "compile-step-graphs-q-norm-apart", "manual-graph")  # --profile / --host
+              "compile-step-graphs-q-norm-folded", "manual-graph")  # --profile / --host
 # --host: also back to back, and the graph alone
 STEP_GRAPH_WAYS = ("compile-step-graphs", "compile-step-graphs-pdl", "compile-step-graphs-mm-above-16",
                    "compile-step-graphs-entry-store-apart", "compile-step-graphs-rotation-apart",
-                   "compile-step-graphs-side-stream", "compile-step-graphs-q-norm-apart")
+                   "compile-step-graphs-side-stream", "compile-step-graphs-q-norm-folded")
 # ways with whole-step graphs compiled with other passes than the defaults
 PASSES = {"compile-step-graphs-entry-store-apart": lambda: passes_without(FuseEntryStorePass),
           "compile-step-graphs-rotation-apart": lambda: passes_without(FuseAttentionInverseRopePass),
           "compile-step-graphs-side-stream": lambda: [*default_passes(), OverlapCacheWritesPass()],
-          "compile-step-graphs-q-norm-apart":
-              lambda: passes_configured(FuseSharedInputLinearsPass, fold_input_norm=False)}
+          "compile-step-graphs-q-norm-folded":
+              lambda: passes_configured(FuseSharedInputLinearsPass, fold_input_norm=True)}
 # ways measured (and so captured) under a kernel setting: the products of more than 16 rows through
 # cuBLAS, as before dsv4::linears took up to 64
 SETTINGS = {"compile-step-graphs-mm-above-16": lambda: linears_max_rows(16)}

@@ -35,7 +35,7 @@ There too, where ``x`` is a weighted ``dsv4::rms_norm`` that only those products
 query latent, ``q_a_norm`` and then ``q_b_proj`` and the indexer's ``q_b_proj``), the norm folds
 into the call (``linears(input, weights, norm_weight, eps)``: the kernel norms x's rows in its K
 loop) and its launch goes; a lone product of such an x becomes a call too, whatever its K.
-``fold_input_norm=False`` leaves the norm as its own node.
+Opt-in (``fold_input_norm=True``): not yet timed on a GPU.
 """
 
 from __future__ import annotations
@@ -61,9 +61,10 @@ LONE_MIN_K = 4096
 
 class FuseSharedInputLinearsPass(OnDevicesPass):
     def __init__(self, devices: Sequence[str] = ("cuda",), lone_min_k: int | None = LONE_MIN_K,
-                 fold_input_norm: bool = True) -> None:
+                 fold_input_norm: bool = False) -> None:
         """``lone_min_k=None``: products with no other of their input are left as they are.
-        ``fold_input_norm=False``: an input's ``dsv4::rms_norm`` stays a node of its own."""
+        ``fold_input_norm=True``: an input's weighted ``dsv4::rms_norm`` folds into its products'
+        call (opt-in until measured on the GPU)."""
         super().__init__(devices)
         self.lone_min_k, self.fold_input_norm = lone_min_k, fold_input_norm
 
@@ -104,8 +105,9 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
 
     def _folded_norm(self, x: torch.fx.Node, lins: list[torch.fx.Node]) -> tuple | None:
         """``(input, weight, eps)`` of ``x = dsv4.rms_norm(input, weight, eps)`` when the norm
-        folds into the products ``lins`` of x: it has a weight, and nothing but those products
-        reads x (a lone product too: the kernel then saves the norm's launch). Else None."""
+        folds into the products ``lins`` of x: folding is on, the norm has a weight, and nothing
+        but those products reads x (a lone product too: the kernel then saves the norm's launch).
+        Else None."""
         if not (self.fold_input_norm and x.op == "call_function" and x.target in _NORMS):
             return None
         args = call_arguments(x, torch.ops.dsv4.rms_norm)

@@ -7,8 +7,8 @@ The default list holds the passes measured to pay on the H200: the metadata fusi
 fusion (one hyper-connection 48 -> 10 kernels; 50 -> 16 µs at one token, 66 -> 39 µs at 64:
 benchmarks/README.md, "Hyper-connections"), the shared-input linear fusion (the benchmark
 model's decode step at b = 1: 1,476 -> 1,295 µs, 312 -> 254 kernels; with lone products of
-K >= 4096 12 µs less GPU time a step; the query latent's norm folded into its products, one launch
-less a layer), the grouped ``o_a_proj`` as one launch (4 µs a step at
+K >= 4096 12 µs less GPU time a step; the query latent's norm folded into its products, one
+launch less a layer, is opt-in until timed), the grouped ``o_a_proj`` as one launch (4 µs a step at
 b = 8), the attention output's inverse RoPE moved into the attention (in its split combine: one
 launch less a layer at decode sizes), the norm + RoPE fusion (docs/compile.md, "The norm + RoPE
 fusion pass") and, after it, the key's cache write folded into its norm + RoPE (one launch less a

@@ -3,8 +3,8 @@
 The model does not call the op: a compiled step gets it from ``FuseSharedInputLinearsPass``
 (``fx_passes/fuse_shared_input_linears.py``), which replaces the bf16 matmuls of one activation by
 weights of the graph (a layer's q / kv / compressor / indexer projections of the normed hidden
-state) by one call, and folds an RMSNorm that only those products read into it (the query
-latent's ``q_a_norm``). On CUDA a call with at most 64 rows is one Triton launch
+state) by one call, and can fold an RMSNorm that only those products read into it (the query
+latent's ``q_a_norm``; opt-in). On CUDA a call with at most 64 rows is one Triton launch
 (``ops/kernels/linear.py``, up to 8 weights a launch); more rows, and other devices, run each
 product as ``torch.mm``.
 

@@ -194,7 +194,7 @@ def test_input_norm_folds_into_its_products_in_dynamos_graph(norm_dtype):
     """A weighted ``dsv4::rms_norm`` read only by products folds into their ``linears`` call,
     a lone product's too (its launch is then saved whatever K); a norm read by anything else, or
     unweighted, stays a node of its own. Same bits on the CPU (the op's reference is the norm, then
-    ``torch.mm``). With ``fold_input_norm=False`` every norm stays."""
+    ``torch.mm``). Without ``fold_input_norm`` (the default) every norm stays."""
     x = torch.randn(3, 64, **bf16) * 5
     args = (x, *_weights(8, 16, 4), (torch.rand(64) + 0.5).to(norm_dtype), (torch.rand(64) + 0.5).to(norm_dtype))
     norms = (torch.ops.dsv4.rms_norm, torch.ops.dsv4.rms_norm.default)
@@ -212,7 +212,8 @@ def test_input_norm_folds_into_its_products_in_dynamos_graph(norm_dtype):
 
 def test_uuid_follows_the_devices_lone_min_k_and_the_norm_fold():
     uuids = {FuseSharedInputLinearsPass(("cpu",)).uuid(), FuseSharedInputLinearsPass().uuid(),
-             FuseSharedInputLinearsPass(lone_min_k=None).uuid(), FuseSharedInputLinearsPass(fold_input_norm=False).uuid()}
+             FuseSharedInputLinearsPass(lone_min_k=None).uuid(), FuseSharedInputLinearsPass(fold_input_norm=True).uuid()}
+    assert FuseSharedInputLinearsPass().fold_input_norm is False
     assert len(uuids) == 4
 
 
@@ -222,22 +223,23 @@ def test_model_step_fuses_each_layers_projections():
     """compile_step of a 2-layer model (sliding, then CSA) with the default passes and this one:
     in each layer the products of the normed hidden state (q_a, kv; on the CSA layer also the
     compressor's, the indexer's compressor and weights) and those of the post-attention norm (the
-    router, the shared expert's gate and up) fuse, and the query latent's products with its norm
-    folded in (the sliding layer's lone q_b; the CSA layer's q_b and the indexer's q_b): 6 nodes,
-    2 with a norm. Each layer calls its o_a_proj as one grouped_linear itself (2 nodes), so
-    FuseGroupedLinearPass finds no bmm to rewrite. With Inductor rounding where eager rounds the
-    logits are the eager backend's, bit for bit."""
+    router, the shared expert's gate and up) fuse, and on the CSA layer the two of the query latent
+    (q_b and the indexer's q_b): 5 nodes. With the query latent's norm folded in, the sliding
+    layer's lone q_b joins them: 6 nodes, 2 with a norm. Each layer calls its o_a_proj as one
+    grouped_linear itself (2 nodes), so FuseGroupedLinearPass finds no bmm to rewrite. With Inductor
+    rounding where eager rounds the logits are the eager backend's, bit for bit, either way."""
     config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
     backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    fuse, grouped = _CountingNorms(("cpu",)), FuseGroupedLinearPass(("cpu",))
     ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
     want = backend(ids, step, torch.arange(6)).float()
-    with fresh_compile_state():
-        passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse, grouped])
-        got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
-    assert fuse.matched_count == grouped.last_ops.count(FUSED) == 6
-    assert [n for n, eps in fuse.folded] == [1, 2] and {eps for n, eps in fuse.folded} == {config.rms_norm_eps}
-    assert grouped.matched_count == 0 and grouped.last_ops.count("dsv4.grouped_linear.default") == 2
-    assert torch.equal(got, want)
+    for fold, nodes, folded in ((False, 5, []), (True, 6, [1, 2])):
+        fuse, grouped = _CountingNorms(("cpu",), fold_input_norm=fold), FuseGroupedLinearPass(("cpu",))
+        with fresh_compile_state():
+            passes = DSV4PassManager([FuseStepMetadataPass(), FuseSinkhornPass(), fuse, grouped])
+            got = compile_step(backend, passes=passes, options=EXACT_NUMERICS)(ids, step, torch.arange(6)).float()
+        assert fuse.matched_count == grouped.last_ops.count(FUSED) == nodes
+        assert [n for n, _ in fuse.folded] == folded and {eps for _, eps in fuse.folded} <= {config.rms_norm_eps}
+        assert grouped.matched_count == 0 and grouped.last_ops.count("dsv4.grouped_linear.default") == 2
+        assert torch.equal(got, want)

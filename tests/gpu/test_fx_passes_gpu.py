@@ -13,6 +13,7 @@ from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePas
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.testing.bench import passes_configured
 from dsv4_compile.testing.random_model import random_hf_model
 from tests.gpu.test_model_gpu import _tiny_config
 from tests.support.compile_checks import fresh_compile_state
@@ -20,22 +21,20 @@ from tests.support.compile_checks import fresh_compile_state
 pytestmark = pytest.mark.gpu
 
 # pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers' normed hidden
-# states + 4 layers' query latents, their norms folded in: a group in each CSA layer, a lone q_b in the
-# others; the MoE's router is alone, its shared expert running in dsv4::moe_experts, and no other lone
-# product has K >= 4096 at hidden 256); the norm + RoPE chains (4
+# states + the 2 CSA layers' query latents; the MoE's router is alone, its shared expert running in
+# dsv4::moe_experts, and no lone product has K >= 4096 at hidden 256); the norm + RoPE chains (4
 # layers x query and key); the keys' cache writes (4 layers); the compressors' cache writes (2 CSA
 # layers x attention and indexer compressor, 1 HCA layer); the attention outputs' inverse RoPE (4
 # layers). (Each layer calls its grouped o_a_proj as dsv4::grouped_linear itself:
 # FuseGroupedLinearPass has nothing to rewrite here.)
-MATCHES = [(FuseSharedInputLinearsPass, 8), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5),
+MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStorePass, 4), (FuseEntryStorePass, 5),
            (FuseAttentionInverseRopePass, 4)]
 EXACT = (FuseEntryStorePass,)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("pass_type, matches", MATCHES, ids=[t.__name__ for t, _ in MATCHES])
-@torch.no_grad()
-def test_compiled_model_step_with_and_without(pass_type, matches):
+def _decode_step_compiled(pass_lists: dict[str, list]) -> tuple[dict, dict]:
+    """The 4-layer model's decode step (two requests) compiled with each of ``pass_lists`` in turn,
+    from the same cache: ``(logits, cache buffers written)`` by name."""
     backend = enable(random_hf_model(_tiny_config(), seed=0, device="cuda"), max_requests=2, max_seq_len=512)
     rows = [backend.allocator.admit(), backend.allocator.admit()]
     prompt = StepInputs.make(ForwardMode.EXTEND, rows, [40, 30], [40, 30],
@@ -46,18 +45,42 @@ def test_compiled_model_step_with_and_without(pass_type, matches):
                              torch.cat([backend.allocator.extend(r, 1) for r in rows]), device="cuda")
     tokens, logit_rows = ids[:2], torch.arange(2, device="cuda")
     outs, written = {}, {}
-    fused = default_passes()
-    tested = [p for p in fused if isinstance(p, pass_type)]
-    assert len(tested) == 1
-    for name, chosen in (("fused", fused), ("unfused", [p for p in fused if p not in tested])):
+    for name, chosen in pass_lists.items():
         saved = [t.clone() for t in backend.cache.buffers()]
         with fresh_compile_state():
             outs[name] = compile_step(backend, passes=DSV4PassManager(chosen))(tokens, decode, logit_rows).float()
         written[name] = [t.clone() for t in backend.cache.buffers()]
         for t, s in zip(backend.cache.buffers(), saved):
             t.copy_(s)
+    return outs, written
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("pass_type, matches", MATCHES, ids=[t.__name__ for t, _ in MATCHES])
+@torch.no_grad()
+def test_compiled_model_step_with_and_without(pass_type, matches):
+    fused = default_passes()
+    tested = [p for p in fused if isinstance(p, pass_type)]
+    assert len(tested) == 1
+    outs, written = _decode_step_compiled({"fused": fused, "unfused": [p for p in fused if p not in tested]})
     assert tested[0].matched_count == matches
     scale = outs["unfused"].abs().max().item()
     torch.testing.assert_close(outs["fused"], outs["unfused"], atol=0.05 * scale, rtol=0)
     if pass_type in EXACT:
         assert all(torch.equal(f, u) for f, u in zip(written["fused"], written["unfused"]))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@torch.no_grad()
+def test_query_latent_norm_folded():
+    """``FuseSharedInputLinearsPass(fold_input_norm=True)``: each layer's query latent norm folds
+    into its q_b products (8 calls: 2 more, the sliding and HCA layers' lone q_b), the logits
+    within bf16 rounding of the defaults' and the caches byte for byte theirs (the norm is not on
+    the cache's path)."""
+    folded = passes_configured(FuseSharedInputLinearsPass, fold_input_norm=True)
+    fold = next(p for p in folded if isinstance(p, FuseSharedInputLinearsPass))
+    outs, written = _decode_step_compiled({"folded": folded, "defaults": default_passes()})
+    assert fold.matched_count == 8
+    scale = outs["defaults"].abs().max().item()
+    torch.testing.assert_close(outs["folded"], outs["defaults"], atol=0.05 * scale, rtol=0)
+    assert all(torch.equal(f, u) for f, u in zip(written["folded"], written["defaults"]))
