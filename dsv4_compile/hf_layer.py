@@ -5,8 +5,8 @@
 :class:`HFAttention` provides them over the model's own modules: every projection and norm is a
 call of the module that holds the checkpoint weight (so quantised linears keep working), and no
 parameter is copied; the query latent's norm, ``transformers``' own RMSNorm, is that math as
-``dsv4::rms_norm`` on the module's weight. Differences from ``transformers``' eager arithmetic (RoPE angles in fp32,
-compressor pooling in fp32, FP8 cache) are listed in docs/semantics.md §7.
+``dsv4::rms_norm`` on the module's weight. Differences from ``transformers``' eager arithmetic
+(RoPE angles in fp32, compressor pooling in fp32, FP8 cache) are listed in docs/semantics.md §7.
 """
 
 from __future__ import annotations
@@ -97,9 +97,9 @@ class HFAttention(nn.Module):
 
     def _q_latent_norm(self, q_lora: torch.Tensor) -> torch.Tensor:
         """``q_a_norm`` of the query latent: ``transformers``' ``DeepseekV4RMSNorm`` with a plain
-        weight is called as ``dsv4::rms_norm`` on that weight (the same math), which
-        ``FuseSharedInputLinearsPass`` folds into the ``q_b_proj`` products that read it; any
-        other module is called as it is."""
+        weight is called as ``dsv4::rms_norm`` on that weight (the same math, one traced op),
+        which ``FuseSharedInputLinearsPass(fold_input_norm=True)`` folds into the ``q_b_proj``
+        products that read it; any other module is called as it is."""
         from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
 
         norm = self.attn.q_a_norm
