@@ -212,7 +212,8 @@ def test_input_norm_folds_into_its_products_in_dynamos_graph(norm_dtype):
 
 def test_uuid_follows_the_devices_lone_min_k_and_the_norm_fold():
     uuids = {FuseSharedInputLinearsPass(("cpu",)).uuid(), FuseSharedInputLinearsPass().uuid(),
-             FuseSharedInputLinearsPass(lone_min_k=None).uuid(), FuseSharedInputLinearsPass(fold_input_norm=True).uuid()}
+             FuseSharedInputLinearsPass(lone_min_k=None).uuid(),
+             FuseSharedInputLinearsPass(fold_input_norm=True).uuid()}
     assert FuseSharedInputLinearsPass().fold_input_norm is False
     assert len(uuids) == 4
 
