@@ -407,12 +407,18 @@ def backend_decode_us(backend: ModelBackend, fn: StepFn, tokens: torch.Tensor, a
                 ids.tolist()
 
     filled = time.perf_counter()
-    run(args.warmup)
+    # where a run's first minutes go, each stage as it ends (a stalled run shows where): on a fresh
+    # machine the eager prefill and a compiled way's first step compile every kernel (and capture
+    # the graphs)
+    print(f"         b {b:>3}: prompts filled in {filled - start:.1f} s", flush=True)
+    more = max(args.warmup - 1, 0)
+    run(args.warmup - more)
     ids.tolist()
-    # where a run's first minutes go: on a fresh machine the eager prefill and a compiled way's first
-    # steps compile every kernel (and capture the graphs)
-    print(f"         b {b:>3}: prompts filled in {filled - start:.1f} s, {args.warmup} warm-up steps in "
-          f"{time.perf_counter() - filled:.1f} s", flush=True)
+    first = time.perf_counter()
+    run(more)
+    ids.tolist()
+    print(f"         b {b:>3}: first step in {first - filled:.1f} s, {more} more warm-up steps in "
+          f"{time.perf_counter() - first:.1f} s", flush=True)
     us = 1e3 * elapsed_ms(lambda: run(args.steps), tokens.device) / args.steps
     extra = {}
     if host:  # before profiling: the profiler slows the launches that follow it
