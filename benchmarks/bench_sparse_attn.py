@@ -161,8 +161,6 @@ def run_case(case: AttnShape, args) -> list[dict]:
     for r in records:
         if anchor and "us" in r:
             r["vs_flashmla"] = anchor / r["us"]
-    del inp
-    torch.cuda.empty_cache()
     return records
 
 
@@ -198,7 +196,9 @@ def main() -> None:
     for case in CASES:
         if wanted and case.name not in wanted:
             continue
-        for r in run_case(case, args):
+        case_records = run_case(case, args)
+        torch.cuda.empty_cache()  # the case's inputs went with run_case's frame
+        for r in case_records:
             records.append(r)
             if "error" in r:
                 print(f"{r['case']:26} {r['impl']:22} ERROR {r['error']}")
