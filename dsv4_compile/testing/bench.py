@@ -370,6 +370,7 @@ def passes_without(kind: type) -> list:
 
 
 def passes_configured(kind: type, **settings) -> list:
-    """The default passes with the one of type ``kind`` made as ``kind(**settings)``."""
+    """The default passes with the one of type ``kind`` made as ``kind(**settings)`` (its other
+    settings, devices included, at their defaults)."""
     from ..fx_passes.pass_manager import default_passes
     return [kind(**settings) if isinstance(p, kind) else p for p in default_passes()]
