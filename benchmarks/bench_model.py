@@ -91,6 +91,11 @@ orders or in separate processes):
                    its ``q_b_proj`` products' ``dsv4::linears`` launch
                    (``FuseSharedInputLinearsPass(fold_input_norm=True)``), not a launch of its own;
                    not in the default ``--ways``
+    compiled_step_graphs_collapse_linears  whole-step graphs with ``FuseCollapseLinearsPass`` added to
+                   the default passes (each collapse that feeds products made in the products'
+                   launch, the hc op's finishing launch gone); not in the default ``--ways``
+    compiled_step_graphs_collapse_q_norm_folded  both of the two ways above; not in the default
+                   ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -134,8 +139,8 @@ from transformers import DeepseekV4Config, DynamicCache
 
 from dsv4_compile.compile import compile_step
 from dsv4_compile.config import PAGE_SIZE
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
-                                    FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseCollapseLinearsPass,
+                                    FuseEntryStorePass, FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass,
                                     OverlapCacheWritesPass, ReplaceShortTopkPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
@@ -175,7 +180,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_switches_on",
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
         "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
-        "compiled_step_graphs_q_norm_folded")
+        "compiled_step_graphs_q_norm_folded", "compiled_step_graphs_collapse_linears",
+        "compiled_step_graphs_collapse_q_norm_folded")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -612,6 +618,11 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_all_lone_linears": (None, _with_passes(_linears_pass(lone_min_k=1), cuda_graphs="step")),
     "compiled_step_graphs_q_norm_folded":
         (None, _with_passes(_linears_pass(fold_input_norm=True), cuda_graphs="step")),
+    "compiled_step_graphs_collapse_linears":
+        (None, _with_passes(lambda: [*default_passes(), FuseCollapseLinearsPass()], cuda_graphs="step")),
+    "compiled_step_graphs_collapse_q_norm_folded":
+        (None, _with_passes(lambda: [*_linears_pass(fold_input_norm=True)(), FuseCollapseLinearsPass()],
+                            cuda_graphs="step")),
     "compiled_step_graphs_router_topk":
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),

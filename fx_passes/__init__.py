@@ -11,6 +11,7 @@ if __name__ != "dsv4_compile.fx_passes":  # installed from the top-level fx_pass
 
 from .base import DSV4InductorPass  # noqa: E402
 from .fuse_attention_inverse_rope import FuseAttentionInverseRopePass  # noqa: E402
+from .fuse_collapse_linears import FuseCollapseLinearsPass  # noqa: E402
 from .fuse_entry_store import FuseEntryStorePass  # noqa: E402
 from .fuse_grouped_linear import FuseGroupedLinearPass  # noqa: E402
 from .fuse_key_store import FuseKeyStorePass  # noqa: E402
@@ -23,7 +24,8 @@ from .overlap_cache_writes import OverlapCacheWritesPass  # noqa: E402
 from .pass_manager import DSV4PassManager  # noqa: E402
 from .replace_short_topk import ReplaceShortTopkPass  # noqa: E402
 
-__all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseAttentionInverseRopePass", "FuseEntryStorePass",
+__all__ = ["DSV4InductorPass", "DSV4PassManager", "FuseAttentionInverseRopePass", "FuseCollapseLinearsPass",
+           "FuseEntryStorePass",
            "FuseGroupedLinearPass", "FuseKeyStorePass", "FuseNormRopePass", "FuseSharedInputLinearsPass",
            "FuseSinkhornPass", "FuseStepMetadataPass", "InplaceMutationsPass", "OverlapCacheWritesPass",
            "ReplaceShortTopkPass"]

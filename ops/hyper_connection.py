@@ -10,6 +10,14 @@
 * ``hc_pre``, ``hc_post_pre`` and ``hc_head`` take the RMSNorm that follows their collapse as an
   option (``out_norm_weight [D]``, ``out_norm_eps``): the decoder layer normalises the block's input
   and reads it nowhere else, so the op can return it normalised.
+* ``dsv4::hc_pre_linears``, ``dsv4::hc_post_pre_linears``, ``dsv4::hc_head_linears``: ``hc_pre``,
+  ``hc_post_pre`` and ``hc_head`` with the products of their collapse (``dsv4::linears``' weights),
+  as the two ops in turn. ``FuseCollapseLinearsPass`` (``fx_passes/fuse_collapse_linears.py``)
+  puts them where a collapse feeds a ``linears`` call. On CUDA up to four tokens they are the
+  projection's launch and the products' launch: each product program sums the projection's
+  partials and collapses its own K blocks, and a program per token beside the products writes
+  ``post`` and the Sinkhorn-normalised ``comb``, so the collapse's finishing launch (the Sinkhorn
+  steps on its critical path) is gone.
 * ``dsv4::sinkhorn``: the Sinkhorn-Knopp normalisation of the comb weights alone. Nothing calls it:
   ``FuseSinkhornPass`` (``fx_passes/fuse_sinkhorn.py``) puts it in place of the traced loop of
   ``2 iters - 1`` normalisations (a kernel each) where transformers' own hyper-connection code is
@@ -25,9 +33,11 @@ import torch
 from ..reference import hyper_connection as ref
 from ._checks import check_devices, check_non_negative, check_positive, check_tensor
 from ._library import HAS_TRITON, dsv4_op
+from .linear import _check_linears, _linears_cuda, _linears_fake, linears_reference
 
 if HAS_TRITON:
     from .kernels import hyper_connection as kernels
+    from .kernels import linear as linear_kernels
 
 _STREAM_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -86,11 +96,15 @@ def _check_out_norm(op: str, x, weight, eps) -> None:
     check_non_negative(op, "out_norm_eps", eps)
 
 
+def _check_pre(op: str, x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps) -> None:
+    n, _ = _check_streams(op, x)
+    _check_weights(op, x, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
+    check_positive(op, "iters", iters)
+    _check_out_norm(op, x, out_norm_weight, out_norm_eps)
+
+
 def _check_hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0) -> None:
-    n, _ = _check_streams("hc_pre", x)
-    _check_weights("hc_pre", x, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
-    check_positive("hc_pre", "iters", iters)
-    _check_out_norm("hc_pre", x, out_norm_weight, out_norm_eps)
+    _check_pre("hc_pre", x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
 
 
 def _hc_pre_fake(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
@@ -117,10 +131,14 @@ def hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.T
     return ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
 
 
+def _check_head(op: str, x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps) -> None:
+    n, _ = _check_streams(op, x)
+    _check_weights(op, x, fn, base, scale, n, 1, hc_eps, norm_eps)
+    _check_out_norm(op, x, out_norm_weight, out_norm_eps)
+
+
 def _check_hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0) -> None:
-    n, _ = _check_streams("hc_head", x)
-    _check_weights("hc_head", x, fn, base, scale, n, 1, hc_eps, norm_eps)
-    _check_out_norm("hc_head", x, out_norm_weight, out_norm_eps)
+    _check_head("hc_head", x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
 
 
 def _hc_head_fake(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight=None, out_norm_eps=0.0):
@@ -175,13 +193,19 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: 
     return ref.hc_post(post, comb, out, streams)
 
 
+def _check_post_pre(op: str, post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
+                    out_norm_eps) -> None:
+    _check_posted(op, post, comb, out, streams)
+    n = streams.shape[-2]
+    _check_weights(op, streams, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
+    check_positive(op, "iters", iters)
+    _check_out_norm(op, streams, out_norm_weight, out_norm_eps)
+
+
 def _check_hc_post_pre(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None,
                        out_norm_eps=0.0) -> None:
-    _check_posted("hc_post_pre", post, comb, out, streams)
-    n = streams.shape[-2]
-    _check_weights("hc_post_pre", streams, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
-    check_positive("hc_post_pre", "iters", iters)
-    _check_out_norm("hc_post_pre", streams, out_norm_weight, out_norm_eps)
+    _check_post_pre("hc_post_pre", post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps,
+                    out_norm_weight, out_norm_eps)
 
 
 def _hc_post_pre_fake(post, comb, out, streams, *pre_args):
@@ -215,3 +239,151 @@ def hc_post_pre(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, strea
     to the two ops called in turn."""
     return _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps,
                                   out_norm_weight, out_norm_eps)
+
+
+# -- a collapse and its products ---------------------------------------------------------------------
+def _check_products(op: str, collapsed_like: torch.Tensor, weights) -> None:
+    """``weights`` as ``dsv4::linears`` takes them for an input of ``collapsed_like``'s dtype and
+    last dim (the collapse the products read)."""
+    try:
+        _check_linears(collapsed_like.reshape(-1, collapsed_like.shape[-1]), weights)
+    except (TypeError, ValueError) as error:
+        raise type(error)(str(error).replace("dsv4.linears: x", f"dsv4.{op}: the collapse").replace(
+            "dsv4.linears", f"dsv4.{op}")) from None
+
+
+def _check_hc_pre_linears(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    _check_pre("hc_pre_linears", x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    _check_products("hc_pre_linears", x[..., 0, :], weights)
+
+
+def _check_hc_post_pre_linears(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
+                               out_norm_eps, weights):
+    _check_post_pre("hc_post_pre_linears", post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps,
+                    out_norm_weight, out_norm_eps)
+    _check_products("hc_post_pre_linears", out, weights)
+
+
+def _check_hc_head_linears(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    _check_head("hc_head_linears", x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    _check_products("hc_head_linears", x[..., 0, :], weights)
+
+
+def _products_fake(collapsed: torch.Tensor, weights) -> list[torch.Tensor]:
+    return _linears_fake(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+
+
+def _collapse_fits(streams: torch.Tensor, weights) -> bool:
+    """Whether the products' launch makes the collapse itself (else the two ops run in turn)."""
+    n, d = streams.shape[-2:]
+    tokens = streams.numel() // (n * d) if n * d else 0
+    return (1 <= tokens <= linear_kernels.COLLAPSE_MAX_TOKENS and n <= kernels.MAX_HC_N and d > 0
+            and streams.dtype in (torch.bfloat16, torch.float16) and len(weights) <= linear_kernels.MAX_WEIGHTS)
+
+
+def _collapse_linears_cuda(streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm, weights, posted=None,
+                           head=False) -> list[torch.Tensor]:
+    """The fused launches: ``[new_streams,] [post, comb,] collapsed`` in the hc op's shapes, then the
+    products."""
+    n, d = streams.shape[-2:]
+    lead = streams.shape[:-2]
+    xs = streams.contiguous().view(-1, n * d)
+    partials = kernels.mix_partials(xs, fn.contiguous(), n, d, posted, out_norm[0] is not None,
+                                    trigger_dependents=True)
+    outs = linear_kernels.launch_linears(None, list(weights), collapse=linear_kernels.Collapse(
+        partials, base, scale, iters, hc_eps, norm_eps, out_norm, head))
+    hc = outs[:len(outs) - len(weights)]
+    shapes = [(*lead, d)] if head else [(*lead, n), (*lead, n, n), (*lead, d)]
+    hc = [t.view(shape) for t, shape in zip(hc, shapes, strict=True)]
+    new = [partials.streams.view(streams.shape)] if posted is not None else []
+    return new + hc + outs[len(hc):]
+
+
+def _hc_pre_linears_fake(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    post, comb, collapsed = _hc_pre_fake(x, fn, base, scale, iters, hc_eps, norm_eps)
+    return post, comb, collapsed, _products_fake(collapsed, weights)
+
+
+def _hc_pre_linears_cuda(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    if not _collapse_fits(x, weights):
+        post, comb, collapsed = _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
+                                             out_norm_eps)
+        return post, comb, collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    post, comb, collapsed, *products = _collapse_linears_cuda(x, fn, base, scale, iters, hc_eps, norm_eps,
+                                                              (out_norm_weight, out_norm_eps), weights)
+    return post, comb, collapsed, products
+
+
+@dsv4_op("hc_pre_linears", check=_check_hc_pre_linears, fake=_hc_pre_linears_fake,
+         cuda=_hc_pre_linears_cuda if HAS_TRITON else None)
+def hc_pre_linears(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
+                   hc_eps: float, norm_eps: float, out_norm_weight: torch.Tensor | None, out_norm_eps: float,
+                   weights: list[torch.Tensor]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``hc_pre(x, fn, ..., out_norm_eps)`` -> ``(post, comb, collapsed)``, then ``linears(collapsed
+    [M, D], weights)`` (M the tokens of ``x``'s leading dims): ``(post, comb, collapsed, products)``,
+    equal to the two ops in turn."""
+    post, comb, collapsed = ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    return post, comb, collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+
+
+def _hc_post_pre_linears_fake(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
+                              out_norm_eps, weights):
+    new, post, comb, collapsed = _hc_post_pre_fake(post, comb, out, streams, fn, base, scale, iters, hc_eps,
+                                                   norm_eps)
+    return new, post, comb, collapsed, _products_fake(collapsed, weights)
+
+
+def _hc_post_pre_linears_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
+                              out_norm_eps, weights):
+    n = streams.shape[-2]
+    fits = _collapse_fits(streams, weights) and streams.numel() // (n * streams.shape[-1]) <= kernels.POSTED_MAX_TOKENS
+    if not fits:
+        new, post, comb, collapsed = _hc_post_pre_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps,
+                                                       norm_eps, out_norm_weight, out_norm_eps)
+        return new, post, comb, collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    new, post, comb, collapsed, *products = _collapse_linears_cuda(
+        streams, fn, base, scale, iters, hc_eps, norm_eps, (out_norm_weight, out_norm_eps), weights,
+        posted=(post, comb, out))
+    return new, post, comb, collapsed, products
+
+
+@dsv4_op("hc_post_pre_linears", check=_check_hc_post_pre_linears, fake=_hc_post_pre_linears_fake,
+         cuda=_hc_post_pre_linears_cuda if HAS_TRITON else None)
+def hc_post_pre_linears(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: torch.Tensor,
+                        fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int, hc_eps: float,
+                        norm_eps: float, out_norm_weight: torch.Tensor | None, out_norm_eps: float,
+                        weights: list[torch.Tensor]
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """``hc_post_pre(post, comb, out, streams, fn, ..., out_norm_eps)`` -> ``(new_streams, post, comb,
+    collapsed)``, then ``linears(collapsed [M, D], weights)``: ``(new_streams, post, comb, collapsed,
+    products)``, equal to the two ops in turn."""
+    new, post, comb, collapsed = _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps,
+                                                        norm_eps, out_norm_weight, out_norm_eps)
+    return new, post, comb, collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+
+
+def _hc_head_linears_fake(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    collapsed = _hc_head_fake(x, fn, base, scale, hc_eps, norm_eps)
+    return collapsed, _products_fake(collapsed, weights)
+
+
+def _hc_head_linears_cuda(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
+    if not _collapse_fits(x, weights):
+        collapsed = _hc_head_cuda(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+        return collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    collapsed, *products = _collapse_linears_cuda(x, fn, base, scale, 0, hc_eps, norm_eps,
+                                                  (out_norm_weight, out_norm_eps), weights, head=True)
+    return collapsed, products
+
+
+@dsv4_op("hc_head_linears", check=_check_hc_head_linears, fake=_hc_head_linears_fake,
+         cuda=_hc_head_linears_cuda if HAS_TRITON else None)
+def hc_head_linears(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, hc_eps: float,
+                    norm_eps: float, out_norm_weight: torch.Tensor | None, out_norm_eps: float,
+                    weights: list[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``hc_head(x, fn, ..., out_norm_eps)`` -> ``collapsed``, then ``linears(collapsed [M, D],
+    weights)`` (the model's final collapse and its lm_head): ``(collapsed, products)``, equal to the
+    two ops in turn."""
+    collapsed = ref.hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
+    return collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)

@@ -39,6 +39,8 @@ is loaded as 0 and stays 0, so it adds nothing to a sum.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -155,7 +157,8 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
 @triton.jit
 def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, gram_ptr, T, D, M,
                         d_per_split, N: tl.constexpr, NP: tl.constexpr, BLOCK_T: tl.constexpr,
-                        BLOCK_C: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr, GRAM: tl.constexpr):
+                        BLOCK_C: tl.constexpr, MP: tl.constexpr, POST: tl.constexpr, GRAM: tl.constexpr,
+                        PDL: tl.constexpr):
     """Split ``s = pid(1)`` (columns ``[s d_per_split, (s + 1) d_per_split)`` of every stream, so the
     split's part of K = N D) of tokens ``[pid(0) BLOCK_T, +BLOCK_T)``: ``dots[s, t, m] =
     sum_k x[t, k] fn[m, k]`` and ``sq[s, t] = sum_k x[t, k]²`` over those k, fp32. ``POST``:
@@ -163,7 +166,9 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out
     ``out_ptr``); x is made from them and stored to ``new_ptr``. ``GRAM``: also ``gram[s, t, i, j] =
     sum_d x[t, i, d] x[t, j, d]`` (``[NP, NP]`` per token, padding 0): summed over the splits, the
     streams' Gram matrix, whose quadratic form in the collapse weights is the collapse's sum of
-    squares."""
+    squares. ``PDL``: a kernel launched after it with PDL may start at once."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     s = tl.program_id(1)
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
     m = tl.arange(0, MP)
@@ -212,6 +217,71 @@ def _summed_mixes(dots_ptr, rows, first, n, s_ok, n_ok):
 
 
 @triton.jit
+def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, SPLIT, inv_k, hc_eps, norm_eps,
+                     out_norm_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
+                     T_PAD: tl.constexpr, NORM: tl.constexpr):
+    """Of tokens ``t0 + [0, T_PAD)``, from the projection's ``SPLIT`` partials (``dots [SPLIT, T,
+    MP]``, ``sq [SPLIT, T]``, with ``NORM`` ``gram [SPLIT, T, NP NP]``): ``(pre [T_PAD, NP], r
+    [T_PAD], r_out [T_PAD])``, the collapse weights (0 past N), the streams' RMS factor that scales
+    every mix, and the block norm's factor of the collapse (1 without ``NORM``). Tokens past ``T``
+    get finite values no one stores."""
+    s = tl.arange(0, SP)
+    t = t0 + tl.arange(0, T_PAD)
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    st = s[:, None] * T + t[None, :]  # [SP, T_PAD]: each split's partials of each token
+    st_ok = (s < SPLIT)[:, None] & (t < T)[None, :]
+    r = 1.0 / tl.sqrt_rn(tl.sum(tl.load(sq_ptr + st, mask=st_ok, other=0.0), axis=0) * inv_k + norm_eps)
+    mixes = tl.load(dots_ptr + st[:, :, None] * MP + n[None, None, :], mask=st_ok[:, :, None] & n_ok[None, None, :],
+                    other=0.0)
+    mix = tl.sum(mixes, axis=0) * r[:, None]  # [T_PAD, NP]
+    pre = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)[None, :]) + hc_eps
+    pre = tl.where(n_ok[None, :], pre, 0.0)
+    r_out = tl.full((T_PAD,), 1.0, tl.float32)
+    if NORM:
+        ij = n[:, None] * NP + n[None, :]
+        gram = tl.sum(tl.load(gram_ptr + st[:, :, None, None] * (NP * NP) + ij[None, None, :, :],
+                              mask=st_ok[:, :, None, None], other=0.0), axis=0)  # [T_PAD, NP, NP], padding 0
+        total = tl.maximum(tl.sum(tl.sum(gram * pre[:, :, None] * pre[:, None, :], axis=2), axis=1), 0.0)
+        r_out = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + out_norm_eps))
+    return pre, r, r_out
+
+
+@triton.jit
+def post_and_comb(dots_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, r, iters, hc_eps,
+                  N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
+    """Token ``t``'s ``post [N]`` and ``comb [N, N]`` (softmax, then ``iters`` Sinkhorn steps) from
+    its splits' summed mixes scaled by ``r``, stored to ``post_ptr`` / ``comb_ptr``."""
+    s = tl.arange(0, SP)
+    s_ok = s < SPLIT
+    n = tl.arange(0, NP)
+    n_ok = n < N
+    rows = (s * T + t) * MP  # [SP]: each split's partials of this token
+    post_mix = _summed_mixes(dots_ptr, rows, N, n, s_ok, n_ok) * r
+    post = 2 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
+    tl.store(post_ptr + t * N + n, post, mask=n_ok)
+    i, j = n[:, None], n[None, :]
+    ij_ok = (i < N) & (j < N)
+    ij = 2 * N + i * N + j
+    comb_mix = tl.sum(tl.load(dots_ptr + rows[:, None, None] + ij[None, :, :],
+                              mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), axis=0) * r
+    # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
+    logits = tl.where(ij_ok, comb_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=ij_ok, other=0.0),
+                      -3.0e38)
+    e = tl.exp(logits - tl.max(logits, axis=1, keep_dims=True))
+    tl.store(comb_ptr + t * (N * N) + i * N + j, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, mask=ij_ok)
+    # The Sinkhorn steps run on the softmax reloaded through offsets of their own, the tile
+    # of _sinkhorn_kernel (3.5 µs a matrix on the H200): run in the layout of the
+    # partials' sum (one of its slices), this kernel took 19 µs a call.
+    tl.debug_barrier()
+    row, col = n[None, :, None], n[None, None, :]
+    tile_ok = (row < N) & (col < N)
+    tile = comb_ptr + t * (N * N) + row * N + col
+    comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
+    tl.store(tile, comb, mask=tile_ok)
+
+
+@triton.jit
 def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, out_ptr,
                        norm_weight_ptr, gram_ptr, T, D, SPLIT, inv_k, iters, hc_eps, norm_eps, out_norm_eps,
                        N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
@@ -227,53 +297,22 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    s = tl.arange(0, SP)
-    s_ok = s < SPLIT
-    n = tl.arange(0, NP)
-    n_ok = n < N
-    rows = (s * T + t) * MP  # [SP]: each split's partials of this token
-    sq = tl.sum(tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0), axis=0)
-    r = 1.0 / tl.sqrt_rn(sq * inv_k + norm_eps)
+    pre, r, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k, hc_eps,
+                                     norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
     if not HEAD:
         if part == 0:
-            post_mix = _summed_mixes(dots_ptr, rows, N, n, s_ok, n_ok) * r
-            post = 2 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
-            tl.store(post_ptr + t * N + n, post, mask=n_ok)
-            i, j = n[:, None], n[None, :]
-            ij_ok = (i < N) & (j < N)
-            ij = 2 * N + i * N + j
-            comb_mix = tl.sum(tl.load(dots_ptr + rows[:, None, None] + ij[None, :, :],
-                                      mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), axis=0) * r
-            # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
-            logits = tl.where(ij_ok, comb_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=ij_ok, other=0.0),
-                              -3.0e38)
-            e = tl.exp(logits - tl.max(logits, axis=1, keep_dims=True))
-            tl.store(comb_ptr + t * (N * N) + i * N + j, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, mask=ij_ok)
-            # The Sinkhorn steps run on the softmax reloaded through offsets of their own, the tile
-            # of _sinkhorn_kernel (3.5 µs a matrix on the H200): run in the layout of the
-            # partials' sum (one of its slices), this kernel took 19 µs a call.
-            tl.debug_barrier()
-            row, col = n[None, :, None], n[None, None, :]
-            tile_ok = (row < N) & (col < N)
-            tile = comb_ptr + t * (N * N) + row * N + col
-            comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
-            tl.store(tile, comb, mask=tile_ok)
+            post_and_comb(dots_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, tl.sum(r, axis=0), iters,
+                          hc_eps, N, NP, MP, SP)
     d_part = part if HEAD else part - 1
     if d_part >= 0:
-        pre_mix = _summed_mixes(dots_ptr, rows, 0, n, s_ok, n_ok) * r
-        pre = tl.sigmoid(pre_mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)) + hc_eps
+        n = tl.arange(0, NP)
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
-        xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        collapsed = tl.sum(pre[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)  # padding: 0
+        xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=(n < N)[:, None] & d_ok[None, :], other=0.0)
+        collapsed = tl.sum(tl.sum(pre, axis=0)[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
         if NORM:
-            ij = n[:, None] * NP + n[None, :]
-            gram = tl.sum(tl.load(gram_ptr + (s * T + t)[:, None, None] * (NP * NP) + ij[None, :, :],
-                                  mask=s_ok[:, None, None], other=0.0), axis=0)  # [NP, NP], padding 0
-            total = tl.maximum(tl.sum(tl.sum(gram * pre[:, None] * pre[None, :], axis=1), axis=0), 0.0)
-            r_out = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + out_norm_eps))
             w = tl.load(norm_weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-            collapsed = (collapsed.to(tl.float32) * r_out * w).to(out_ptr.dtype.element_ty)
+            collapsed = (collapsed.to(tl.float32) * tl.sum(r_out, axis=0) * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * D + d, collapsed, mask=d_ok)
 
 
@@ -286,6 +325,45 @@ def _mix_plan(tokens: int, d: int, n: int, m: int) -> tuple[int, int, int, int, 
     t_blocks = triton.cdiv(tokens, block_t)
     split = max(1, min(_MAX_SPLIT, triton.cdiv(d, block_c), _MIX_PROGRAMS // max(t_blocks, 1)))
     return mp, block_t, block_c, t_blocks, triton.cdiv(triton.cdiv(d, split), block_c) * block_c
+
+
+class Partials(NamedTuple):
+    """What ``_mix_partial_kernel`` leaves for a collapse: ``streams [T, N D]`` it reads (``x``, or
+    the new streams it made), fp32 ``dots [split, T, MP]``, ``sq [split, T]`` and, for the block's
+    norm, ``gram [split, T, NP NP]`` (None without it)."""
+    streams: torch.Tensor
+    dots: torch.Tensor
+    sq: torch.Tensor
+    gram: torch.Tensor | None
+    n: int
+    d: int
+
+    @property
+    def split(self) -> int:
+        return self.dots.shape[0]
+
+
+def mix_partials(xs: torch.Tensor, fn: torch.Tensor, n: int, d: int,
+                 posted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, normed: bool,
+                 trigger_dependents: bool = False) -> Partials:
+    """The projection's launch over ``xs [T, N D]`` (``T >= 1``; contiguous) and ``fn [M, N D]``:
+    ``posted = (post, comb, out)`` makes the new streams from ``xs`` first (at most
+    :data:`POSTED_MAX_TOKENS` tokens). ``trigger_dependents``: a kernel launched after it with PDL
+    may start at once (it waits for this grid before it reads)."""
+    tokens, m = xs.shape[0], fn.shape[0]
+    mp, block_t, block_c, t_blocks, d_per_split = _mix_plan(tokens, d, n, m)
+    split = triton.cdiv(d, d_per_split)
+    np2 = triton.next_power_of_2(n)
+    streams = xs if posted is None else torch.empty_like(xs)
+    dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=xs.device)
+    sq = torch.empty((split, tokens), dtype=torch.float32, device=xs.device)
+    gram = torch.empty((split, tokens, np2 * np2), dtype=torch.float32, device=xs.device) if normed else None
+    mixed = [t.contiguous() for t in posted] if posted is not None else (xs, xs, xs)  # unread without POST
+    _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, gram if normed else sq, tokens, d, m,
+                                           d_per_split, N=n, NP=np2, BLOCK_T=block_t, BLOCK_C=block_c, MP=mp,
+                                           POST=posted is not None, GRAM=normed,
+                                           PDL=trigger_dependents and has_pdl(xs.device))
+    return Partials(streams, dots, sq, gram, n, d)
 
 
 def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, iters: int,
@@ -303,35 +381,28 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
-    tokens, k, m = xs.shape[0], n * d, fn.shape[0]
-    mp, block_t, block_c, t_blocks, d_per_split = _mix_plan(tokens, d, n, m)
+    tokens, k = xs.shape[0], n * d
     if posted is not None and tokens > POSTED_MAX_TOKENS:
         new = launch_hc_post(*posted, x)
         return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps, out_norm=out_norm))
     post = x.new_empty((*lead, n), dtype=torch.float32)
     comb = x.new_empty((*lead, n, n), dtype=torch.float32)
     out = x.new_empty((*lead, d))
-    # the streams the collapse reads: x, or the ones the projection's programs make and store
-    streams = xs if posted is None else torch.empty_like(xs)
+    streams = xs if posted is None else torch.empty_like(xs)  # no tokens: a new tensor as empty as x
     if tokens:
-        split = triton.cdiv(d, d_per_split)
-        dots = torch.empty((split, tokens, mp), dtype=torch.float32, device=x.device)
-        sq = torch.empty((split, tokens), dtype=torch.float32, device=x.device)
-        mixed = [t.contiguous() for t in posted] if posted is not None else (xs, xs, xs)  # unread without POST
         norm_weight, out_norm_eps = out_norm
         normed = norm_weight is not None
-        np2 = triton.next_power_of_2(n)
-        # the streams' Gram matrix partials for the norm; unread without it
-        gram = torch.empty((split, tokens, np2 * np2), dtype=torch.float32, device=x.device) if normed else sq
-        _mix_partial_kernel[(t_blocks, split)](xs, fn, dots, sq, *mixed, streams, gram, tokens, d, m, d_per_split,
-                                               N=n, NP=np2, BLOCK_T=block_t, BLOCK_C=block_c, MP=mp,
-                                               POST=posted is not None, GRAM=normed)
+        partials = mix_partials(xs, fn, n, d, posted, normed)
+        streams = partials.streams  # x, or the new ones the projection's programs made
         parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
-        _pre_finish_kernel[(tokens, parts)](streams, dots, sq, base, scale, post, comb, out,
-                                            norm_weight.contiguous() if normed else sq, gram,
-                                            tokens, d, split, 1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n,
-                                            NP=np2, MP=mp, SP=triton.next_power_of_2(split), BLOCK_D=_BLOCK_D,
-                                            HEAD=head, NORM=normed, PDL=has_pdl(x.device), num_warps=1)
+        np2 = triton.next_power_of_2(n)
+        _pre_finish_kernel[(tokens, parts)](streams, partials.dots, partials.sq, base, scale, post, comb, out,
+                                            norm_weight.contiguous() if normed else partials.sq,
+                                            partials.gram if normed else partials.sq, tokens, d, partials.split,
+                                            1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n, NP=np2,
+                                            MP=partials.dots.shape[2], SP=triton.next_power_of_2(partials.split),
+                                            BLOCK_D=_BLOCK_D, HEAD=head, NORM=normed, PDL=has_pdl(x.device),
+                                            num_warps=1)
     if head:
         return out
     return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)

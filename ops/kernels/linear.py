@@ -30,11 +30,14 @@ K sums differs.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from .host import has_pdl, num_sms
+from .hyper_connection import Partials, collapse_weights, post_and_comb
 from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
 
 MAX_ROWS = 64  # rows of x up to which the kernels run (padded to 16, 32 or 64: rows_pad); more are a GEMM
@@ -148,26 +151,35 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
 
 
 @triton.jit
-def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_first, norm_ptr, eps,
-                  M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH_K: tl.constexpr,
-                  NORM: tl.constexpr):
+def _prefetch_then_wait(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.constexpr):
+    """``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns
+    from ``k_start`` are requested into the L2 (masked lanes ask for ``w_first``, the weight's first
+    element), then the program waits for its predecessor and triggers its dependents."""
+    if PREFETCH_K > 0:
+        lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
+        prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
+    dependent_launch(PREFETCH_K > 0)
+
+
+@triton.jit
+def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, norm_ptr, eps, pre, r_out, x_out_ptr,
+                  store_x, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
+                  COLLAPSE: tl.constexpr, COLLAPSE_NORM: tl.constexpr):
     """``x[:, ks] @ w_rows[:, ks].T`` for ``ks = [k_start, min(k_start + k_span, K))`` as an fp32
     ``[M_PAD, BLOCK_N]`` tile: ``w_rows [BLOCK_N, 1]`` are the pointers to the program's weight rows
     (``row_ok`` masks those past the weight), streamed along K once; x (unit stride along K,
     ``stride_x`` between rows) is padded to ``M_PAD`` rows. The loads are masked by ``K`` itself
     (not the range's end): Triton knows K's divisibility and keeps them vectorised.
-    ``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns of the
-    range are requested into the L2 (masked lanes ask for ``w_first``, the weight's first element),
-    then the program waits for its predecessor and triggers its dependents.
     ``NORM`` (the range is all of K): the product of x's rows RMS-normed with weight ``norm [K]``
     (fp32 math, x's dtype), as ``rms_norm(x, norm, eps) @ w.T`` up to where the rounding falls: each
     K block of x enters the product as ``x * norm`` rounded to x's dtype while the block's squares
     add up, and the fp32 tile is scaled by each row's ``rsqrt(mean(x^2) + eps)`` at the end (no
-    second pass over x before the first product)."""
-    if PREFETCH_K > 0:
-        lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
-        prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
-    dependent_launch(PREFETCH_K > 0)
+    second pass over x before the first product).
+    ``COLLAPSE = N > 0``: x is a hyper-connection's collapse, made block by block from ``N`` streams
+    (``x_ptr`` ``[M, N, K]`` contiguous) with the weights ``pre [M_PAD, NP]`` fp32 and rounded to the
+    streams' dtype, as ``dsv4::hc_pre`` collapses; ``COLLAPSE_NORM``: then scaled by ``r_out
+    [M_PAD]`` and the block norm's ``norm [K]`` and rounded again. Where ``store_x``, the blocks are
+    stored to ``x_out_ptr [M, K]``."""
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -175,7 +187,20 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, w_firs
     for k0 in range(k_start, k_start + k_span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        x_ok = m_ok[:, None] & k_ok[None, :]
+        if COLLAPSE > 0:
+            collapsed = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)
+            for i in tl.static_range(COLLAPSE):
+                pre_i = tl.sum(tl.where(tl.arange(0, pre.shape[1])[None, :] == i, pre, 0.0), axis=1)
+                stream = tl.load(x_ptr + (m[:, None] * COLLAPSE + i) * K + ks[None, :], mask=x_ok, other=0.0)
+                collapsed += pre_i[:, None] * stream.to(tl.float32)
+            x = collapsed.to(x_ptr.dtype.element_ty)
+            if COLLAPSE_NORM:
+                weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+                x = (x.to(tl.float32) * r_out[:, None] * weight[None, :]).to(x_ptr.dtype.element_ty)
+            tl.store(x_out_ptr + m[:, None] * K + ks[None, :], x, mask=store_x & x_ok)
+        else:
+            x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=x_ok, other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
@@ -199,65 +224,128 @@ def _owner(pid, w, o, n, first, cur_w, cur_o, cur_n, cur_first):
 
 @triton.jit
 def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr, tiles, split, k_per_split,
+                    hc_dots, hc_sq, hc_gram, hc_base, hc_scale, hc_post, hc_comb, hc_out, hc_split, hc_inv_k,
+                    hc_iters, hc_eps, hc_norm_eps,
                     w0, o0, n0, t0, w1, o1, n1, t1, w2, o2, n2, t2, w3, o3, n3, t3,
                     w4, o4, n4, t4, w5, o5, n5, t5, w6, o6, n6, t6, w7, o7, n7, t7,
                     G: tl.constexpr, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PREFETCH_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr):
+                    PREFETCH_K: tl.constexpr, SPLIT_K: tl.constexpr, NORM: tl.constexpr, COLLAPSE: tl.constexpr,
+                    HC_NP: tl.constexpr, HC_MP: tl.constexpr, HC_SP: tl.constexpr, T_PAD: tl.constexpr,
+                    COLLAPSE_NORM: tl.constexpr):
     """Weight ``g`` (``n_g`` rows, output ``o_g [M, n_g]``) owns tiles ``[t_g, t_{g+1})``:
     ``o_g[:, tile] = x @ w_g[tile].T``. Program ``(tile, s)`` takes K columns ``[s k_per_split,
     +k_per_split)``; with ``SPLIT_K`` the tile's last program sums the ``split`` partials. ``NORM``
-    (never split): x RMS-normed with ``norm [K]`` and ``eps`` first (:func:`_rows_product`)."""
+    (never split): x RMS-normed with ``norm [K]`` and ``eps`` first (:func:`_rows_product`).
+
+    ``COLLAPSE = N > 0``: x is the collapse of a hyper-connection whose projection's partials
+    (``hc_dots``, ``hc_sq``, ``hc_gram``: ``hyper_connection.Partials``, ``hc_split`` splits) are
+    ready, of ``N`` streams ``x_ptr [M, N, K]``; each program sums the partials into the collapse
+    weights (and with ``COLLAPSE_NORM`` the block norm's factor, ``norm [K]`` and ``eps`` its
+    weight and eps) and collapses its K blocks itself; the first tile's programs store the
+    collapse to ``hc_out [M, K]``. Given ``hc_post``, programs ``(tiles + t, 0)`` (no tile) write
+    token ``t``'s ``post`` and Sinkhorn-normalised ``comb`` beside the products."""
     pid = tl.program_id(0)
-    w, o, n, first = w0.to(tl.int64), o0.to(tl.int64), n0, t0
-    if G > 1:
-        w, o, n, first = _owner(pid, w1, o1, n1, t1, w, o, n, first)
-    if G > 2:
-        w, o, n, first = _owner(pid, w2, o2, n2, t2, w, o, n, first)
-    if G > 3:
-        w, o, n, first = _owner(pid, w3, o3, n3, t3, w, o, n, first)
-    if G > 4:
-        w, o, n, first = _owner(pid, w4, o4, n4, t4, w, o, n, first)
-    if G > 5:
-        w, o, n, first = _owner(pid, w5, o5, n5, t5, w, o, n, first)
-    if G > 6:
-        w, o, n, first = _owner(pid, w6, o6, n6, t6, w, o, n, first)
-    if G > 7:
-        w, o, n, first = _owner(pid, w7, o7, n7, t7, w, o, n, first)
     dtype = x_ptr.dtype.element_ty
-    # the launcher passes 16-byte aligned weights and outputs: a pointer made from an integer has
-    # lost what Triton knows of an argument's alignment, and the loads stay vectorised with it
-    w_ptr = tl.multiple_of(w.to(tl.pointer_type(dtype)), 16)
-    out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
-    rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < n
-    acc = _rows_product(x_ptr, stride_x, M, K, tl.program_id(1) * k_per_split, k_per_split,
-                        w_ptr + rows.to(tl.int64)[:, None] * K, row_ok, w_ptr, norm_ptr, eps, M_PAD, BLOCK_N, BLOCK_K,
-                        PREFETCH_K, NORM)
-    m = tl.arange(0, M_PAD)
-    out = out_ptr + m[:, None] * n + rows[None, :]
-    out_ok = (m < M)[:, None] & row_ok[None, :]
-    if SPLIT_K:
-        last, total = _split_k_finish(acc, part_ptr, counters_ptr, pid, tiles, split, M, M_PAD, BLOCK_N)
-        if last:
-            tl.store(out, total.to(dtype), mask=out_ok)
-    else:
-        tl.store(out, acc.to(dtype), mask=out_ok)
+    if pid < tiles:
+        w, o, n, first = w0.to(tl.int64), o0.to(tl.int64), n0, t0
+        if G > 1:
+            w, o, n, first = _owner(pid, w1, o1, n1, t1, w, o, n, first)
+        if G > 2:
+            w, o, n, first = _owner(pid, w2, o2, n2, t2, w, o, n, first)
+        if G > 3:
+            w, o, n, first = _owner(pid, w3, o3, n3, t3, w, o, n, first)
+        if G > 4:
+            w, o, n, first = _owner(pid, w4, o4, n4, t4, w, o, n, first)
+        if G > 5:
+            w, o, n, first = _owner(pid, w5, o5, n5, t5, w, o, n, first)
+        if G > 6:
+            w, o, n, first = _owner(pid, w6, o6, n6, t6, w, o, n, first)
+        if G > 7:
+            w, o, n, first = _owner(pid, w7, o7, n7, t7, w, o, n, first)
+        # the launcher passes 16-byte aligned weights and outputs: a pointer made from an integer has
+        # lost what Triton knows of an argument's alignment, and the loads stay vectorised with it
+        w_ptr = tl.multiple_of(w.to(tl.pointer_type(dtype)), 16)
+        out_ptr = tl.multiple_of(o.to(tl.pointer_type(dtype)), 16)
+        rows = (pid - first) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < n
+        w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
+        k_start = tl.program_id(1) * k_per_split
+        _prefetch_then_wait(w_rows, row_ok, w_ptr, k_start, K, PREFETCH_K)
+        m = tl.arange(0, M_PAD)
+        pre = 0.0
+        r_out = 0.0
+        if COLLAPSE > 0:
+            # the collapse weights of the M tokens, then laid over the tile's M_PAD rows
+            t_pre, _, t_r_out = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, 0, M, K, hc_split,
+                                                 hc_inv_k, hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP,
+                                                 T_PAD, COLLAPSE_NORM)
+            mine = m[:, None] == tl.arange(0, T_PAD)[None, :]  # [M_PAD, T_PAD]
+            pre = tl.sum(tl.where(mine[:, :, None], t_pre[None, :, :], 0.0), axis=1)
+            r_out = tl.sum(tl.where(mine, t_r_out[None, :], 0.0), axis=1)
+        acc = _rows_product(x_ptr, stride_x, M, K, k_start, k_per_split, w_rows, row_ok, norm_ptr, eps, pre, r_out,
+                            hc_out, pid == 0, M_PAD, BLOCK_N, BLOCK_K, NORM, COLLAPSE, COLLAPSE_NORM)
+        out = out_ptr + m[:, None] * n + rows[None, :]
+        out_ok = (m < M)[:, None] & row_ok[None, :]
+        if SPLIT_K:
+            last, total = _split_k_finish(acc, part_ptr, counters_ptr, pid, tiles, split, M, M_PAD, BLOCK_N)
+            if last:
+                tl.store(out, total.to(dtype), mask=out_ok)
+        else:
+            tl.store(out, acc.to(dtype), mask=out_ok)
+    else:  # a token's post and comb (COLLAPSE with hc_post only: the grid has no such programs otherwise)
+        dependent_launch(PREFETCH_K > 0)
+        if COLLAPSE > 0 and tl.program_id(1) == 0:
+            t = pid - tiles
+            _, r, _ = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, t, M, K, hc_split, hc_inv_k,
+                                       hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP, 1, False)
+            post_and_comb(hc_dots, hc_base, hc_scale, hc_post, hc_comb, t, M, hc_split, tl.sum(r, axis=0), hc_iters,
+                          hc_eps, COLLAPSE, HC_NP, HC_MP, HC_SP)
 
 
-def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileConfig | None = None,
-                   split_k: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0
-                   ) -> list[torch.Tensor]:
+class Collapse(NamedTuple):
+    """A hyper-connection whose collapse :func:`launch_linears` makes for its products: the
+    projection's ``partials`` and ``dsv4::hc_pre``'s ``base``, ``scale``, ``iters``, ``hc_eps``,
+    ``norm_eps`` and block norm ``out_norm = (weight [D] or None, eps)``; ``head``: ``dsv4::hc_head``'s
+    (no post or comb)."""
+    partials: Partials
+    base: torch.Tensor
+    scale: torch.Tensor
+    iters: int
+    hc_eps: float
+    norm_eps: float
+    out_norm: tuple[torch.Tensor | None, float]
+    head: bool = False
+
+
+# Tokens up to which launch_linears makes a collapse itself: each program sums every token's
+# partials (a [SPLIT, T_PAD, N, N] tile of the Gram partials) before its K loop.
+COLLAPSE_MAX_TOKENS = 4
+
+
+def launch_linears(x: torch.Tensor | None, weights: list[torch.Tensor], config: TileConfig | None = None,
+                   split_k: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+                   collapse: Collapse | None = None) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` in one launch: ``x [M, K]`` (M <= :data:`MAX_ROWS`, unit
     stride along K), each ``w [N_g, K]`` contiguous of x's dtype, 1 to :data:`MAX_WEIGHTS` of
     them -> ``[M, N_g]`` each. ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``, and
     ``split_k``: whether K may be split over programs; without a config both are
     :func:`default_config`'s of K and the weights' rows. With ``norm_weight [K]`` (fp32 or x's
     dtype) the products are of ``rms_norm(x, norm_weight, eps)`` (K is then never split: each
-    program needs whole rows of x for their norms)."""
+    program needs whole rows of x for their norms).
+
+    ``collapse`` (x None; M <= :data:`COLLAPSE_MAX_TOKENS` tokens of bf16 / fp16 streams): the
+    products are of that hyper-connection's collapse, which the launch makes as ``dsv4::hc_pre``
+    does -> ``[post, comb, collapsed, *products]`` (``[collapsed, *products]`` for a head)."""
+    if collapse is not None:
+        partials = collapse.partials
+        x = partials.streams.view(-1, partials.n, partials.d)[:, 0]  # the streams' rows: M, K and dtype
     m, k = x.shape
     if m > MAX_ROWS or not 1 <= len(weights) <= MAX_WEIGHTS:
         raise ValueError(f"launch_linears: {m} rows and {len(weights)} weights; the kernel takes at most "
                          f"{MAX_ROWS} rows and 1 to {MAX_WEIGHTS} weights")
+    if collapse is not None and not 1 <= m <= COLLAPSE_MAX_TOKENS:
+        raise ValueError(f"launch_linears: a collapse of {m} tokens; the kernel makes one of 1 to "
+                         f"{COLLAPSE_MAX_TOKENS}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     weights = [_aligned(w) for w in weights]  # outputs are fresh allocations, aligned too
@@ -270,7 +358,7 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     for w in weights:
         firsts.append(firsts[-1] + triton.cdiv(w.shape[0], block_n))
     tiles = firsts[-1]
-    if m == 0 or k == 0 or tiles == 0:  # nothing to read (an empty K sums to 0)
+    if collapse is None and (m == 0 or k == 0 or tiles == 0):  # nothing to read (an empty K sums to 0)
         return [o.zero_() for o in outs]
     args = []
     for g in range(MAX_WEIGHTS):  # unused slots (G <= g): never read
@@ -282,12 +370,40 @@ def launch_linears(x: torch.Tensor, weights: list[torch.Tensor], config: TileCon
     part = x.new_empty((split, tiles, m_pad, block_n), dtype=torch.float32) if split > 1 else x
     counters = torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1 else x
     prefetch_k = _pdl_prefetch_k(k_per_split, block_n, x.element_size(), x.device)
+    hc_args, hc_meta, riders, hc_outs = _collapse_args(collapse, x)
+    if collapse is not None:
+        norm_weight, eps = collapse.out_norm
+        x = collapse.partials.streams
     norm = norm_weight.contiguous() if norm_weight is not None else x  # unread without a norm
-    _linears_kernel[(tiles, split)](x, m, k, x.stride(0), norm, float(eps), part, counters, tiles, split, k_per_split,
-                                    *args, G=len(weights), M_PAD=m_pad, BLOCK_N=block_n, BLOCK_K=block_k,
-                                    PREFETCH_K=prefetch_k, SPLIT_K=split > 1, NORM=norm_weight is not None,
-                                    num_warps=warps, num_stages=stages, launch_pdl=prefetch_k > 0)
-    return outs
+    _linears_kernel[(tiles + riders, split)](x, m, k, x.stride(0), norm, float(eps), part, counters, tiles, split,
+                                             k_per_split, *hc_args, *args, G=len(weights), M_PAD=m_pad,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH_K=prefetch_k,
+                                             SPLIT_K=split > 1, NORM=norm_weight is not None and collapse is None,
+                                             **hc_meta, num_warps=warps, num_stages=stages,
+                                             launch_pdl=prefetch_k > 0)
+    return hc_outs + outs
+
+
+def _collapse_args(collapse: Collapse | None, x: torch.Tensor) -> tuple[list, dict, int, list[torch.Tensor]]:
+    """``(hc arguments, their constexprs, rider programs, [post, comb,] collapsed)`` of
+    :func:`_linears_kernel` for ``collapse`` (x of the streams' rows); without one, unread
+    arguments (x in the tensors' place) and no outputs."""
+    if collapse is None:
+        return [x] * 8 + [1, 0.0, 0, 0.0, 0.0], dict(COLLAPSE=0, HC_NP=1, HC_MP=1, HC_SP=1, T_PAD=1,
+                                                      COLLAPSE_NORM=False), 0, []
+    p = collapse.partials
+    tokens = x.shape[0]
+    collapsed = x.new_empty(tokens, p.d)
+    post = x.new_empty(tokens, p.n, dtype=torch.float32)
+    comb = x.new_empty(tokens, p.n, p.n, dtype=torch.float32)
+    normed = collapse.out_norm[0] is not None
+    args = [p.dots, p.sq, p.gram if normed else p.sq, collapse.base.contiguous(), collapse.scale.contiguous(),
+            post, comb, collapsed, p.split, 1.0 / (p.n * p.d), collapse.iters, collapse.hc_eps, collapse.norm_eps]
+    meta = dict(COLLAPSE=p.n, HC_NP=triton.next_power_of_2(p.n), HC_MP=p.dots.shape[2],
+                HC_SP=triton.next_power_of_2(p.split), T_PAD=triton.next_power_of_2(tokens), COLLAPSE_NORM=normed)
+    if collapse.head:
+        return args, meta, 0, [collapsed]
+    return args, meta, tokens, [post, comb, collapsed]
 
 
 @triton.jit
@@ -301,8 +417,9 @@ def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, w_ptr, x_ptr, 0.0,
-                        M_PAD, BLOCK_N, BLOCK_K, PREFETCH_K, False)
+    _prefetch_then_wait(w_rows, row_ok, w_ptr, 0, K, PREFETCH_K)
+    acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, x_ptr, 0.0, 0.0, 0.0, x_ptr,
+                        False, M_PAD, BLOCK_N, BLOCK_K, False, 0, False)
     m = tl.arange(0, M_PAD)
     out = out_ptr + (m.to(tl.int64)[:, None] * G + g) * N + rows[None, :]
     tl.store(out, acc.to(x_ptr.dtype.element_ty), mask=(m < M)[:, None] & row_ok[None, :])

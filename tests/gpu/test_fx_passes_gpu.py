@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from dsv4_compile.compile import compile_step
-from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseEntryStorePass,
-                                    FuseKeyStorePass, FuseNormRopePass, FuseSharedInputLinearsPass)
+from dsv4_compile.fx_passes import (DSV4PassManager, FuseAttentionInverseRopePass, FuseCollapseLinearsPass,
+                                    FuseEntryStorePass, FuseKeyStorePass, FuseNormRopePass,
+                                    FuseSharedInputLinearsPass)
 from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import enable
 from dsv4_compile.step import ForwardMode, StepInputs
@@ -82,3 +83,18 @@ def test_query_latent_norm_folded():
     assert fold.matched_count == 8
     scale = outs["defaults"].abs().max().item()
     torch.testing.assert_close(outs["folded"], outs["defaults"], atol=0.05 * scale, rtol=0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@torch.no_grad()
+def test_collapses_made_by_their_products_launch():
+    """``FuseCollapseLinearsPass`` after the defaults: the first layer's hc_pre and the three
+    hc_post_pre before an attention block fuse with the projections of their collapse; on the MoE
+    side the collapse goes to ``dsv4::moe_experts`` (a hash layer) or to a learned router's lone
+    product (not a ``linears`` call at hidden 256), and the head's lm_head (K 256) is cuBLAS's:
+    4 matches. The logits within bf16 rounding of the defaults'."""
+    collapse = FuseCollapseLinearsPass()
+    outs, written = _decode_step_compiled({"collapse": [*default_passes(), collapse], "defaults": default_passes()})
+    assert collapse.matched_count == 4
+    scale = outs["defaults"].abs().max().item()
+    torch.testing.assert_close(outs["collapse"], outs["defaults"], atol=0.05 * scale, rtol=0)

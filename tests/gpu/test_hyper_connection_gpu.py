@@ -135,3 +135,38 @@ def test_the_block_norm_in_the_ops_at_flash_width(tokens, monkeypatch):
         block_out = torch.randn(1, tokens, 4096, device="cuda", generator=g).bfloat16()
         got = hyper_connection.post_pre(post, comb, block_out, streams, hc, norm)
         _close_to_one_rounding(got[3], norm(hc(got[0])[2]))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+@torch.no_grad()
+def test_collapse_made_by_its_products_launch_at_flash_width(tokens):
+    """``hc_pre_linears`` / ``hc_post_pre_linears`` / ``hc_head_linears`` (the products' launch
+    makes the collapse up to four tokens; five run the two ops' launches) against the hc op and
+    then ``linears``: post and comb bit for bit (the same summed mixes and Sinkhorn steps), the new
+    streams bit for bit, the collapse within one bf16 rounding (its N terms add in another order),
+    the products (a layer's projections of its hidden state, a sliding layer's split-K pair, an
+    lm_head-wide weight) within the rounding that moves."""
+    config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
+    hc, head = _flash_width(DeepseekV4HyperConnection(config)), _flash_width(DeepseekV4HyperHead(config))
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    streams = torch.randn(1, tokens, hc.hc_mult, 4096, device="cuda", generator=g).bfloat16()
+    norm = (torch.rand(4096, device="cuda", generator=g) + 0.5, 1e-6)
+    post, comb, _ = hc(streams)
+    block_out = torch.randn(1, tokens, 4096, device="cuda", generator=g).bfloat16()
+    settings = (hc.fn, hc.base, hc.scale, hc.hc_sinkhorn_iters, hc.hc_eps, hc.input_norm.eps, *norm)
+    head_settings = (head.hc_fn, head.hc_base, head.hc_scale, head.eps, head.input_norm.eps, *norm)
+    ops = torch.ops.dsv4
+    for rows in ((1024, 512, 1024, 1024, 512, 64), (1024, 512), (32768,)):
+        weights = [torch.randn(r, 4096, device="cuda", generator=g).bfloat16() * 0.02 for r in rows]
+        cases = [(ops.hc_pre_linears(streams, *settings, weights), ops.hc_pre(streams, *settings)),
+                 (ops.hc_post_pre_linears(post, comb, block_out, streams, *settings, weights),
+                  ops.hc_post_pre(post, comb, block_out, streams, *settings)),
+                 (ops.hc_head_linears(streams, *head_settings, weights), (ops.hc_head(streams, *head_settings),))]
+        for fused, apart in cases:
+            *hc_out, products = fused
+            for a, b in zip(hc_out[:-1], apart[:-1], strict=True):
+                assert torch.equal(a, b)
+            _close_to_one_rounding(hc_out[-1], apart[-1])
+            for got, w in zip(products, weights, strict=True):
+                want = hc_out[-1].reshape(tokens, 4096).float() @ w.float().T
+                torch.testing.assert_close(got.float(), want, atol=_bf16_step(want.abs().max().item()) * 2, rtol=0)

@@ -158,3 +158,96 @@ def test_hc_post_pre_matches_reference(device, lead, n, d, limit, normed):
     # hc_pre's outputs of the kernel's own streams (which may differ from the reference's by a rounding)
     for g, w in zip(got[1:], ref.hc_pre(got[0], fn, base, scale, 20, 1e-6, 1e-6, *out_norm), strict=True):
         _assert_rounding_close(g, w)
+
+
+# -- a collapse made by its products' launch (dsv4::hc_*_linears) ----------------------------------
+SMALL_TILE = (16, 32, 2, 1)  # several column tiles and K blocks at these sizes
+
+
+def _product_weights(d, device, rows=(40, 9)):
+    gen = torch.Generator(device=device).manual_seed(7)
+    return [(torch.randn(r, d, generator=gen, device=device) / d ** 0.5).to(torch.float16) for r in rows]
+
+
+def _products_close(products, collapsed, weights):
+    """Each product within one rounding of the output's scale of the launch's own collapse times
+    the weight (the collapse itself is checked against the reference apart)."""
+    rows = collapsed.reshape(-1, collapsed.shape[-1]).float()
+    for got, w in zip(products, weights, strict=True):
+        want = rows @ w.float().T
+        torch.testing.assert_close(got.float(), want, atol=2 ** -9 * max(1.0, want.abs().max().item()), rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["pre", "post_pre", "head"])
+@pytest.mark.parametrize("lead, n, d", [((1,), 4, 64), ((1, 3), 4, 200), ((4,), 3, 96), ((2,), 4, 40)])
+@pytest.mark.parametrize("normed", [False, True])
+@pytest.mark.parametrize("split_k", [False, True])
+def test_products_launch_makes_the_collapse(device, kind, lead, n, d, normed, split_k):
+    """``launch_linears(collapse=...)`` after the projection's partials: the collapse (normed or
+    not), ``post`` and ``comb`` (one program per token beside the products; none for a head) as
+    the hc references give them, the products of that collapse; with K split over programs too
+    (every split of the first tile stores its K range of the collapse). Tokens 1 to 4 (the launch's
+    limit), N = 4 and 3, D with a partial K block (200, 40)."""
+    from dsv4_compile.ops.kernels import linear
+
+    head = kind == "head"
+    fn, base, scale = _hc_weights(n, d, n if head else (2 + n) * n, 1 if head else 3, device)
+    out_norm = _out_norm(d, device, normed)
+    streams = _streams(lead, n, d, device)
+    posted = None
+    if kind == "post_pre":
+        post, comb, _ = ref.hc_pre(_streams(lead, n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
+        posted = (post, comb, _streams(lead, 1, d, device, seed=2)[..., 0, :])
+    weights = _product_weights(d, device)
+    partials = kernels.mix_partials(streams.reshape(-1, n * d), fn, n, d, posted, normed)
+    got = linear.launch_linears(None, weights, SMALL_TILE, split_k=split_k, collapse=linear.Collapse(
+        partials, base, scale, 20, 1e-6, 1e-6, out_norm, head))
+    new = partials.streams.view(streams.shape)
+    if posted is not None:
+        _assert_rounding_close(new, ref.hc_post(*posted, streams))
+    if head:
+        want = [ref.hc_head(new, fn, base, scale, 1e-6, 1e-6, *out_norm)]
+    else:
+        want = ref.hc_pre(new, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)
+    hc = got[:len(want)]
+    for g, w in zip(hc, want, strict=True):
+        _assert_rounding_close(g.view(w.shape), w)
+    _products_close(got[len(want):], hc[-1], weights)
+
+
+def test_products_launch_collapse_limits(device):
+    from dsv4_compile.ops.kernels import linear
+
+    n, d = 4, 64
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    partials = kernels.mix_partials(_streams((5,), n, d, device).reshape(5, n * d), fn, n, d, None, False)
+    with pytest.raises(ValueError, match="collapse of 5 tokens"):
+        linear.launch_linears(None, _product_weights(d, device), collapse=linear.Collapse(
+            partials, base, scale, 20, 1e-6, 1e-6, (None, 0.0)))
+
+
+@pytest.mark.parametrize("tokens", [1, 4, 5])
+def test_collapse_linears_ops_kernels_match_their_references(device, tokens):
+    """The three ops' CUDA paths (called directly: the interpreter's tensors are CPU ones) against
+    their references, the two ops in turn: fused up to four tokens, the hc op's launches then the
+    products' above."""
+    from dsv4_compile.ops import hyper_connection as ops
+
+    n, d = 4, 96
+    fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
+    head_fn, head_base, head_scale = _hc_weights(n, d, n, 1, device, seed=9)
+    out_norm = _out_norm(d, device, True)
+    streams = _streams((tokens,), n, d, device)
+    post, comb, _ = ref.hc_pre(_streams((tokens,), n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
+    out = _streams((tokens,), 1, d, device, seed=2)[:, 0]
+    weights = _product_weights(d, device)
+    cases = [(ops._hc_pre_linears_cuda, ops.hc_pre_linears, (streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
+             (ops._hc_post_pre_linears_cuda, ops.hc_post_pre_linears,
+              (post, comb, out, streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
+             (ops._hc_head_linears_cuda, ops.hc_head_linears,
+              (streams, head_fn, head_base, head_scale, 1e-6, 1e-6, *out_norm))]
+    for cuda, reference, args in cases:
+        got, want = cuda(*args, weights), reference(*args, weights)
+        for g, w in zip(got[:-1], want[:-1], strict=True):
+            _assert_rounding_close(g, w)
+        _products_close(got[-1], got[-2], weights)

@@ -143,23 +143,30 @@ def test_sinkhorn(x):
 
 
 def _hyper_connection_args(tokens: int) -> dict[str, tuple]:
-    """``hc_pre`` / ``hc_head`` / ``hc_post`` / ``hc_post_pre`` arguments: 4 streams of hidden 64, bf16."""
+    """``hc_pre`` / ``hc_head`` / ``hc_post`` / ``hc_post_pre`` arguments, and the ``_linears`` ops' (two
+    products of the collapse): 4 streams of hidden 64, bf16."""
     x = torch.randn(1, tokens, 4, 64).bfloat16()
     fn, base, scale = torch.randn(24, 256) * 0.1, torch.randn(24), torch.randn(3)
     post, comb, out = ops.hc_pre(x, fn, base, scale, 20, 1e-6, 1e-6)
     norm = (torch.rand(64) + 0.5, 1e-6)  # the block's RMSNorm, applied to the collapse
+    weights = [torch.randn(8, 64).bfloat16(), torch.randn(5, 64).bfloat16()]  # products of the collapse
     return {"hc_pre": (x, fn, base, scale, 20, 1e-6, 1e-6),
             "hc_pre_normed": (x, fn, base, scale, 20, 1e-6, 1e-6, *norm),
             "hc_head": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6),
             "hc_head_normed": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6, *norm),
             "hc_post": (post, comb, out, x),
             "hc_post_pre": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6),
-            "hc_post_pre_normed": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6, *norm)}
+            "hc_post_pre_normed": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6, *norm),
+            "hc_pre_linears": (x, fn, base, scale, 20, 1e-6, 1e-6, None, 0.0, weights),
+            "hc_pre_linears_normed": (x, fn, base, scale, 20, 1e-6, 1e-6, *norm, weights),
+            "hc_post_pre_linears": (post, comb, out, x, fn, base, scale, 20, 1e-6, 1e-6, *norm, weights),
+            "hc_head_linears": (x, fn[:4], base[:4], scale[:1], 1e-6, 1e-6, *norm, weights)}
 
 
 @pytest.mark.parametrize("tokens", [0, 3])
 @pytest.mark.parametrize("case", ["hc_pre", "hc_pre_normed", "hc_head", "hc_head_normed", "hc_post", "hc_post_pre",
-                                  "hc_post_pre_normed"])
+                                  "hc_post_pre_normed", "hc_pre_linears", "hc_pre_linears_normed",
+                                  "hc_post_pre_linears", "hc_head_linears"])
 def test_hyper_connection_ops(case, tokens):
     _opcheck(getattr(ops, case.removesuffix("_normed")), _hyper_connection_args(tokens)[case])
 
@@ -316,7 +323,8 @@ ALL_OPS = ["expand_queries", "build_page_table", "build_swa_metadata", "build_c4
            "build_c128_metadata", "step_metadata", "store_kv", "dequant_kv", "store_index_k", "compress_kv",
            "compress_kv_store", "indexer_prepare_q", "indexer_topk", "sparse_attn", "sparse_attn_inverse_rope",
            "routed_experts", "moe_experts", "router_topk", "linears", "grouped_linear", "rms_norm", "rope_tail",
-           "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre"]
+           "rms_norm_rope", "rms_norm_rope_store_kv", "hc_pre", "hc_head", "hc_post", "hc_post_pre", "hc_pre_linears",
+           "hc_post_pre_linears", "hc_head_linears"]
 
 
 @pytest.mark.parametrize("op_name", ALL_OPS)
