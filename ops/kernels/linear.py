@@ -162,6 +162,35 @@ def _prefetch_then_wait(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.cons
 
 
 @triton.jit
+def _collapsed_block(x_ptr, M, K, ks, k_ok, norm_ptr, pre, r_out, x_out_ptr, store_x, M_PAD: tl.constexpr,
+                     BLOCK_K: tl.constexpr, N: tl.constexpr, NORM: tl.constexpr):
+    """Columns ``ks [BLOCK_K]`` of the collapse of ``M`` tokens' ``N`` streams (``x_ptr [M, N, K]``)
+    with the weights ``pre [T_PAD, NP]`` fp32, rounded to the streams' dtype (with ``NORM`` then
+    scaled by ``r_out [T_PAD]`` and ``norm [K]`` and rounded again), as a ``[M_PAD, BLOCK_K]`` tile
+    (rows past M 0); stored to ``x_out_ptr [M, K]`` where ``store_x``. Computed on the tokens' own
+    rows and laid over the tile's rows after: the tile's padding rows never hold streams."""
+    dtype = x_ptr.dtype.element_ty
+    t = tl.arange(0, pre.shape[0])
+    t_ok = (t < M)[:, None] & k_ok[None, :]
+    rows = tl.zeros((pre.shape[0], BLOCK_K), dtype=tl.float32)
+    for i in tl.static_range(N):
+        pre_i = tl.sum(tl.where(tl.arange(0, pre.shape[1])[None, :] == i, pre, 0.0), axis=1)
+        stream = tl.load(x_ptr + (t[:, None] * N + i) * K + ks[None, :], mask=t_ok, other=0.0)
+        rows += pre_i[:, None] * stream.to(tl.float32)
+    rows = rows.to(dtype)
+    if NORM:
+        weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
+        rows = (rows.to(tl.float32) * r_out[:, None] * weight[None, :]).to(dtype)
+    tl.store(x_out_ptr + t[:, None] * K + ks[None, :], rows, mask=store_x & t_ok)
+    m = tl.arange(0, M_PAD)
+    x = tl.zeros((M_PAD, BLOCK_K), dtype=dtype)
+    for row in tl.static_range(pre.shape[0]):
+        picked = tl.sum(tl.where(t[:, None] == row, rows.to(tl.float32), 0.0), axis=0).to(dtype)
+        x = tl.where(m[:, None] == row, picked[None, :], x)
+    return x
+
+
+@triton.jit
 def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, norm_ptr, eps, pre, r_out, x_out_ptr,
                   store_x, M_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, NORM: tl.constexpr,
                   COLLAPSE: tl.constexpr, COLLAPSE_NORM: tl.constexpr):
@@ -176,10 +205,9 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, norm_p
     add up, and the fp32 tile is scaled by each row's ``rsqrt(mean(x^2) + eps)`` at the end (no
     second pass over x before the first product).
     ``COLLAPSE = N > 0``: x is a hyper-connection's collapse, made block by block from ``N`` streams
-    (``x_ptr`` ``[M, N, K]`` contiguous) with the weights ``pre [M_PAD, NP]`` fp32 and rounded to the
-    streams' dtype, as ``dsv4::hc_pre`` collapses; ``COLLAPSE_NORM``: then scaled by ``r_out
-    [M_PAD]`` and the block norm's ``norm [K]`` and rounded again. Where ``store_x``, the blocks are
-    stored to ``x_out_ptr [M, K]``."""
+    (``x_ptr`` ``[M, N, K]`` contiguous) with the weights ``pre [T_PAD, NP]`` fp32, as
+    ``dsv4::hc_pre`` collapses (:func:`_collapsed_block`; ``COLLAPSE_NORM``: normed with ``r_out
+    [T_PAD]`` and ``norm``). Where ``store_x``, the blocks are stored to ``x_out_ptr [M, K]``."""
     m = tl.arange(0, M_PAD)
     m_ok = m < M
     acc = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
@@ -189,16 +217,8 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, norm_p
         k_ok = ks < K
         x_ok = m_ok[:, None] & k_ok[None, :]
         if COLLAPSE > 0:
-            collapsed = tl.zeros((M_PAD, BLOCK_K), dtype=tl.float32)
-            for i in tl.static_range(COLLAPSE):
-                pre_i = tl.sum(tl.where(tl.arange(0, pre.shape[1])[None, :] == i, pre, 0.0), axis=1)
-                stream = tl.load(x_ptr + (m[:, None] * COLLAPSE + i) * K + ks[None, :], mask=x_ok, other=0.0)
-                collapsed += pre_i[:, None] * stream.to(tl.float32)
-            x = collapsed.to(x_ptr.dtype.element_ty)
-            if COLLAPSE_NORM:
-                weight = tl.load(norm_ptr + ks, mask=k_ok, other=0.0).to(tl.float32)
-                x = (x.to(tl.float32) * r_out[:, None] * weight[None, :]).to(x_ptr.dtype.element_ty)
-            tl.store(x_out_ptr + m[:, None] * K + ks[None, :], x, mask=store_x & x_ok)
+            x = _collapsed_block(x_ptr, M, K, ks, k_ok, norm_ptr, pre, r_out, x_out_ptr, store_x, M_PAD, BLOCK_K,
+                                 COLLAPSE, COLLAPSE_NORM)
         else:
             x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=x_ok, other=0.0)
         if NORM:
@@ -271,19 +291,15 @@ def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
         k_start = tl.program_id(1) * k_per_split
         _prefetch_then_wait(w_rows, row_ok, w_ptr, k_start, K, PREFETCH_K)
-        m = tl.arange(0, M_PAD)
         pre = 0.0
         r_out = 0.0
-        if COLLAPSE > 0:
-            # the collapse weights of the M tokens, then laid over the tile's M_PAD rows
-            t_pre, _, t_r_out = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, 0, M, K, hc_split,
-                                                 hc_inv_k, hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP,
-                                                 T_PAD, COLLAPSE_NORM)
-            mine = m[:, None] == tl.arange(0, T_PAD)[None, :]  # [M_PAD, T_PAD]
-            pre = tl.sum(tl.where(mine[:, :, None], t_pre[None, :, :], 0.0), axis=1)
-            r_out = tl.sum(tl.where(mine, t_r_out[None, :], 0.0), axis=1)
+        if COLLAPSE > 0:  # the collapse weights of the M tokens
+            pre, _, r_out = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, 0, M, K, hc_split, hc_inv_k,
+                                             hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP, T_PAD,
+                                             COLLAPSE_NORM)
         acc = _rows_product(x_ptr, stride_x, M, K, k_start, k_per_split, w_rows, row_ok, norm_ptr, eps, pre, r_out,
                             hc_out, pid == 0, M_PAD, BLOCK_N, BLOCK_K, NORM, COLLAPSE, COLLAPSE_NORM)
+        m = tl.arange(0, M_PAD)
         out = out_ptr + m[:, None] * n + rows[None, :]
         out_ok = (m < M)[:, None] & row_ok[None, :]
         if SPLIT_K:
