@@ -229,11 +229,12 @@ def test_products_launch_collapse_limits(device):
 @pytest.mark.parametrize("tokens", [1, 4, 5])
 def test_collapse_linears_ops_kernels_match_their_references(device, tokens):
     """The three ops' CUDA paths (called directly: the interpreter's tensors are CPU ones) against
-    their references, the two ops in turn: fused up to four tokens, the hc op's launches then the
-    products' above."""
+    their references, the two ops in turn: fused up to four tokens (the products' launch splits K
+    at this K and row count), the hc op's launches then the products' above."""
     from dsv4_compile.ops import hyper_connection as ops
+    from dsv4_compile.ops.kernels import linear
 
-    n, d = 4, 96
+    n, d = 4, linear.DEEP_K
     fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
     head_fn, head_base, head_scale = _hc_weights(n, d, n, 1, device, seed=9)
     out_norm = _out_norm(d, device, True)
@@ -241,6 +242,7 @@ def test_collapse_linears_ops_kernels_match_their_references(device, tokens):
     post, comb, _ = ref.hc_pre(_streams((tokens,), n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
     out = _streams((tokens,), 1, d, device, seed=2)[:, 0]
     weights = _product_weights(d, device)
+    assert ops._collapse_fits(streams, weights) == (tokens <= linear.COLLAPSE_MAX_TOKENS)
     cases = [(ops._hc_pre_linears_cuda, ops.hc_pre_linears, (streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
              (ops._hc_post_pre_linears_cuda, ops.hc_post_pre_linears,
               (post, comb, out, streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
