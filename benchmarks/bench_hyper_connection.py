@@ -19,6 +19,11 @@ hyper-connection). ``post_pre`` in each case times that op both ways it can run,
 CUDA-graph replays: ``in_projection`` (the projection's programs make the new streams: 2 launches)
 and ``apart`` (``hc_post``, then ``hc_pre``: 3), whatever the op's token threshold
 (``POSTED_MAX_TOKENS``) would pick.
+
+``with_products`` in each case of at most four tokens times ``hc_post_pre`` followed by the
+products of its collapse, for each of :data:`PRODUCT_GROUPS`: ``apart`` (the op, then
+``dsv4::linears``) and ``fused`` (``dsv4::hc_post_pre_linears``, what ``FuseCollapseLinearsPass``
+puts in its place), µs per call over CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 
 from dsv4_compile import hf_hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
+from dsv4_compile.ops.kernels.linear import COLLAPSE_MAX_TOKENS
 from dsv4_compile.testing.bench import graph_us, header, posted_max_tokens, profile_steps
 
 # way -> (what is compiled, given the module; its dsv4 pass list)
@@ -54,6 +60,37 @@ def post_pre_us(hc, streams: torch.Tensor) -> dict[str, float]:
     for name, limit in POST_PRE_WAYS.items():
         with posted_max_tokens(limit):
             timed[name] = graph_us(lambda: hf_hyper_connection.post_pre(post, comb, out, streams, hc), iters=20, inner=20)
+    return timed
+
+
+# products of a block's normed input in the Flash model (rows of each weight, K 4096): a sliding
+# layer's q_a + kv and a learned router of 256 experts (launches that split K: the fused op makes the
+# collapse in them), a CSA layer's seven projections (whole-K programs: the fused op runs the two
+# ops' launches)
+PRODUCT_GROUPS = {"sliding q_a + kv": (1024, 512), "router": (256,),
+                  "csa projections": (1024, 512, 1024, 1024, 512, 64)}
+
+
+def with_products_us(hc, streams: torch.Tensor) -> dict[str, dict[str, float]]:
+    """µs per ``hc_post_pre`` and the products of its collapse on ``streams [1, T, N, D]``, each of
+    :data:`PRODUCT_GROUPS` apart and fused."""
+    post, comb, _ = hf_hyper_connection.pre(hc, torch.randn_like(streams))
+    out = torch.randn_like(streams[:, :, 0])
+    d = streams.shape[-1]
+    norm = torch.ones(d, device=streams.device)
+    settings = (hc.fn, hc.base, hc.scale, hc.hc_sinkhorn_iters, hc.hc_eps, hc.input_norm.eps, norm, 1e-6)
+    ops = torch.ops.dsv4
+    timed = {}
+    for name, rows in PRODUCT_GROUPS.items():
+        weights = [torch.randn(r, d, device=streams.device).bfloat16() * 0.02 for r in rows]
+
+        def apart():
+            collapsed = ops.hc_post_pre(post, comb, out, streams, *settings)[3]
+            return ops.linears(collapsed.view(-1, d), weights)
+
+        def fused():
+            return ops.hc_post_pre_linears(post, comb, out, streams, *settings, weights)
+        timed[name] = {way: graph_us(fn, iters=20, inner=20) for way, fn in (("apart", apart), ("fused", fused))}
     return timed
 
 
@@ -90,11 +127,15 @@ def main(argv=None) -> dict:
             for name in WAYS:
                 case[name]["max_abs_diff_comb"] = (combs[name] - combs["unfused"]).abs().max().item()
             case["post_pre"] = post_pre_us(hc, streams)
+            if t <= COLLAPSE_MAX_TOKENS:
+                case["with_products"] = with_products_us(hc, streams)
             results["cases"].append(case)
             print(f"T {t:5d} | " + " | ".join(f"{name} {case[name]['kernels']:5.1f} kernels {case[name]['us']:7.2f} us "
                                               f"(|Δ comb| {case[name]['max_abs_diff_comb']:.1e})" for name in WAYS)
                   + " | post_pre " + " ".join(f"{name} {us:.2f} us" for name, us in case["post_pre"].items()),
                   flush=True)
+            for group, timed in case.get("with_products", {}).items():
+                print(f"        with {group}: " + " ".join(f"{way} {us:.2f} us" for way, us in timed.items()), flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:
