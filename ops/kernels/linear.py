@@ -410,16 +410,16 @@ def _collapse_args(collapse: Collapse | None, x: torch.Tensor) -> tuple[list, di
     p = collapse.partials
     tokens = x.shape[0]
     collapsed = x.new_empty(tokens, p.d)
-    post = x.new_empty(tokens, p.n, dtype=torch.float32)
-    comb = x.new_empty(tokens, p.n, p.n, dtype=torch.float32)
+    # a head has no post or comb (and no programs to write them: fp32 partials in their place, unwritten)
+    mixes = [] if collapse.head else [x.new_empty(tokens, p.n, dtype=torch.float32),
+                                      x.new_empty(tokens, p.n, p.n, dtype=torch.float32)]
     normed = collapse.out_norm[0] is not None
     args = [p.dots, p.sq, p.gram if normed else p.sq, collapse.base.contiguous(), collapse.scale.contiguous(),
-            post, comb, collapsed, p.split, 1.0 / (p.n * p.d), collapse.iters, collapse.hc_eps, collapse.norm_eps]
+            *(mixes or [p.sq, p.sq]), collapsed, p.split, 1.0 / (p.n * p.d), collapse.iters,
+            collapse.hc_eps, collapse.norm_eps]
     meta = dict(COLLAPSE=p.n, HC_NP=triton.next_power_of_2(p.n), HC_MP=p.dots.shape[2],
                 HC_SP=triton.next_power_of_2(p.split), T_PAD=triton.next_power_of_2(tokens), COLLAPSE_NORM=normed)
-    if collapse.head:
-        return args, meta, 0, [collapsed]
-    return args, meta, tokens, [post, comb, collapsed]
+    return args, meta, 0 if collapse.head else tokens, [*mixes, collapsed]
 
 
 @triton.jit
