@@ -92,7 +92,9 @@ def test_collapses_made_by_their_products_launch():
     hc_post_pre before an attention block fuse with the projections of their collapse; on the MoE
     side the collapse goes to ``dsv4::moe_experts`` (a hash layer) or to a learned router's lone
     product (not a ``linears`` call at hidden 256), and the head's lm_head (K 256) is cuBLAS's:
-    4 matches. The logits within bf16 rounding of the defaults'."""
+    4 matches. At hidden 256 no products' launch splits K, so each fused call runs the two ops'
+    launches (the fused launches are checked at the Flash width in ``test_hyper_connection_gpu.py``);
+    the logits within bf16 rounding of the defaults'."""
     collapse = FuseCollapseLinearsPass()
     outs, written = _decode_step_compiled({"collapse": [*default_passes(), collapse], "defaults": default_passes()})
     assert collapse.matched_count == 4
