@@ -14,10 +14,8 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import DSV4PassManager, FuseCollapseLinearsPass
 from dsv4_compile.fx_passes.pass_manager import default_passes
-from dsv4_compile.model import enable
-from dsv4_compile.step import ForwardMode, StepInputs
 from tests.support.compile_checks import fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import prefill
 
 ops = torch.ops.dsv4
 N, D = 4, 64
@@ -83,11 +81,7 @@ def test_model_step_collapses_in_the_products():
     collapse (the attention's from a select of the batch dim, the router's and the shared expert's
     from a reshape); the final hc_head's product is cuBLAS's (a tiny K), so it stays. The logits
     are the eager backend's, bit for bit."""
-    config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    backend, ids, step = prefill(["sliding_attention", "compressed_sparse_attention"])
     want = backend(ids, step, torch.arange(6)).float()
     fuse = FuseCollapseLinearsPass(("cpu",))
     with fresh_compile_state():

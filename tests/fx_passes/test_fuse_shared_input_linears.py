@@ -16,11 +16,10 @@ from dsv4_compile.compile import compile_step
 from dsv4_compile.export import EXACT_NUMERICS
 from dsv4_compile.fx_passes import (DSV4PassManager, FuseGroupedLinearPass, FuseSharedInputLinearsPass,
                                     FuseSinkhornPass, FuseStepMetadataPass)
-from dsv4_compile.model import enable
-from dsv4_compile.step import ForwardMode, StepInputs
+from dsv4_compile.step import ForwardMode
 from dsv4_compile.testing.oracle_recorder import make_engine
 from tests.support.compile_checks import dynamo_graph, fresh_compile_state
-from tests.support.hf_model import tiny_hf_config, tiny_hf_model
+from tests.support.hf_model import prefill
 
 FUSED = "dsv4.linears.default"
 bf16 = dict(dtype=torch.bfloat16)
@@ -229,11 +228,8 @@ def test_model_step_fuses_each_layers_projections():
     layer's lone q_b joins them: 6 nodes, 2 with a norm. Each layer calls its o_a_proj as one
     grouped_linear itself (2 nodes), so FuseGroupedLinearPass finds no bmm to rewrite. With Inductor
     rounding where eager rounds the logits are the eager backend's, bit for bit, either way."""
-    config = tiny_hf_config(num_hidden_layers=2, layer_types=["sliding_attention", "compressed_sparse_attention"])
-    backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
-    ids = torch.randint(0, 512, (6,), generator=torch.Generator().manual_seed(0))
-    row = backend.allocator.admit()
-    step = StepInputs.make(ForwardMode.EXTEND, [row], [6], [6], backend.allocator.extend(row, 6))
+    backend, ids, step = prefill(["sliding_attention", "compressed_sparse_attention"])
+    config = backend.model.config
     want = backend(ids, step, torch.arange(6)).float()
     for fold, nodes, folded in ((False, 5, []), (True, 6, [1, 2])):
         fuse, grouped = _CountingNorms(("cpu",), fold_input_norm=fold), FuseGroupedLinearPass(("cpu",))

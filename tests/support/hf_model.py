@@ -46,19 +46,23 @@ def tiny_hf_model(seed: int = 0, dtype: torch.dtype = torch.bfloat16, path: str 
     return model
 
 
-def three_layer_prefill(tokens: int = 6):
-    """The tiny model with one layer of each attention type (sliding, CSA, HCA) on the backend, one
-    admitted request and its first step: ``(backend, input_ids [tokens], EXTEND step)``."""
+def prefill(layer_types: list[str], tokens: int = 6):
+    """The tiny model with a layer of each of ``layer_types`` on the backend, one admitted request
+    and its first step: ``(backend, input_ids [tokens], EXTEND step)``."""
     from dsv4_compile.model import enable
     from dsv4_compile.step import ForwardMode, StepInputs
 
-    config = tiny_hf_config(num_hidden_layers=3, layer_types=["sliding_attention", "compressed_sparse_attention",
-                                                              "heavily_compressed_attention"])
+    config = tiny_hf_config(num_hidden_layers=len(layer_types), layer_types=layer_types)
     backend = enable(tiny_hf_model(config=config), max_requests=1, max_seq_len=256)
     ids = torch.randint(0, 512, (tokens,), generator=torch.Generator().manual_seed(0))
     row = backend.allocator.admit()
     step = StepInputs.make(ForwardMode.EXTEND, [row], [tokens], [tokens], backend.allocator.extend(row, tokens))
     return backend, ids, step
+
+
+def three_layer_prefill(tokens: int = 6):
+    """:func:`prefill` of one layer of each attention type (sliding, CSA, HCA)."""
+    return prefill(["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"], tokens)
 
 
 def eager_and_compiled_prefill(passes, tokens: int = 6):
