@@ -22,9 +22,8 @@ and ``apart`` (``hc_post``, then ``hc_pre``: 3), whatever the op's token thresho
 
 ``with_products`` in each case of at most four tokens times ``hc_post_pre`` followed by the
 products of its collapse, for each of :data:`PRODUCT_GROUPS`: ``apart`` (the op, then
-``dsv4::linears``), ``fused`` (``dsv4::hc_post_pre_linears``, what ``FuseCollapseLinearsPass``
-puts in its place) and ``fused_whole_k`` (the same with ``collapse_in_whole_k``: differs where the
-products' launch does not split K), µs per call over CUDA-graph replays.
+``dsv4::linears``) and ``fused`` (``dsv4::hc_post_pre_linears``, what ``FuseCollapseLinearsPass``
+puts in its place), µs per call over CUDA-graph replays.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Hyper
 from dsv4_compile import hf_hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass, FuseStepMetadataPass
 from dsv4_compile.ops.kernels.linear import COLLAPSE_MAX_TOKENS
-from dsv4_compile.testing.bench import collapse_in_whole_k, graph_us, header, posted_max_tokens, profile_steps
+from dsv4_compile.testing.bench import graph_us, header, posted_max_tokens, profile_steps
 
 # way -> (what is compiled, given the module; its dsv4 pass list)
 WAYS = {"unfused": (lambda hc: hc, lambda: DSV4PassManager([FuseStepMetadataPass()])),
@@ -92,8 +91,6 @@ def with_products_us(hc, streams: torch.Tensor) -> dict[str, dict[str, float]]:
         def fused():
             return ops.hc_post_pre_linears(post, comb, out, streams, *settings, weights)
         timed[name] = {way: graph_us(fn, iters=20, inner=20) for way, fn in (("apart", apart), ("fused", fused))}
-        with collapse_in_whole_k(True):
-            timed[name]["fused_whole_k"] = graph_us(fused, iters=20, inner=20)
     return timed
 
 

@@ -96,9 +96,6 @@ orders or in separate processes):
                    launch, the hc op's finishing launch gone); not in the default ``--ways``
     compiled_step_graphs_collapse_q_norm_folded  both of the two ways above; not in the default
                    ``--ways``
-    compiled_step_graphs_collapse_whole_k  ``compiled_step_graphs_collapse_linears`` with the collapse
-                   made in launches of whole-K programs too, on one pipeline stage
-                   (``collapse_in_whole_k``); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -149,10 +146,10 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import (collapse_in_whole_k, compiled_ratios, hash_router_in_op, hbm_tbps_argument,
-                                        header, host_us_per_call, learned_router_op, linears_split_k, moe_in_op,
-                                        norm_in_hc_op, normalise_after_sum, passes_configured, passes_without,
-                                        posted_max_tokens, profile_steps, wall_call, weight_prefetch)
+from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, hbm_tbps_argument, header,
+                                        host_us_per_call, learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
+                                        normalise_after_sum, passes_configured, passes_without, posted_max_tokens,
+                                        profile_steps, wall_call, weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -184,7 +181,7 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
         "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
         "compiled_step_graphs_q_norm_folded", "compiled_step_graphs_collapse_linears",
-        "compiled_step_graphs_collapse_q_norm_folded", "compiled_step_graphs_collapse_whole_k")
+        "compiled_step_graphs_collapse_q_norm_folded")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -623,9 +620,6 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
         (None, _with_passes(_linears_pass(fold_input_norm=True), cuda_graphs="step")),
     "compiled_step_graphs_collapse_linears":
         (None, _with_passes(lambda: [*default_passes(), FuseCollapseLinearsPass()], cuda_graphs="step")),
-    "compiled_step_graphs_collapse_whole_k":
-        (lambda: collapse_in_whole_k(True),
-         _with_passes(lambda: [*default_passes(), FuseCollapseLinearsPass()], cuda_graphs="step")),
     "compiled_step_graphs_collapse_q_norm_folded":
         (None, _with_passes(lambda: [*_linears_pass(fold_input_norm=True)(), FuseCollapseLinearsPass()],
                             cuda_graphs="step")),

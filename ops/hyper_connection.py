@@ -273,22 +273,16 @@ def _products_fake(collapsed: torch.Tensor, weights) -> list[torch.Tensor]:
     return _linears_fake(collapsed.reshape(-1, collapsed.shape[-1]), weights)
 
 
-# True: the products' launch makes the collapse in a launch of whole-K programs too (on one pipeline
-# stage); such launches ran several times slower with the collapse on their default stages
-# (docs/perf-log.md), and the one-stage form is not timed yet: benchmarks compare the two
-COLLAPSE_IN_WHOLE_K = False
-
-
 def _collapse_fits(streams: torch.Tensor, weights) -> bool:
     """Whether the products' launch makes the collapse itself (else the two ops run in turn): up to
-    four tokens and a launch that splits K, whose programs each run few K blocks
-    (:data:`COLLAPSE_IN_WHOLE_K`: any launch)."""
+    four tokens and a launch that splits K, whose programs each run few K blocks (a launch of
+    whole-K programs ran several times slower with the collapse in its loop: docs/perf-log.md)."""
     n, d = streams.shape[-2:]
     tokens = streams.numel() // (n * d) if n * d else 0
     if not (1 <= tokens <= linear_kernels.COLLAPSE_MAX_TOKENS and n <= kernels.MAX_HC_N and d > 0
             and streams.dtype in (torch.bfloat16, torch.float16) and len(weights) <= linear_kernels.MAX_WEIGHTS):
         return False
-    return COLLAPSE_IN_WHOLE_K or linear_kernels.default_config(d, sum(w.shape[0] for w in weights), tokens)[1]
+    return linear_kernels.default_config(d, sum(w.shape[0] for w in weights), tokens)[1]
 
 
 def _collapse_linears_cuda(streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm, weights, posted=None,

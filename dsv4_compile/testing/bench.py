@@ -297,14 +297,6 @@ def posted_max_tokens(limit: int):
     return _kernel_setting(hyper_connection, "POSTED_MAX_TOKENS", limit)
 
 
-def collapse_in_whole_k(enabled: bool):
-    """While entered, ``dsv4::hc_*_linears`` make the collapse in the products' launch whether or not
-    it splits K (``ops.hyper_connection.COLLAPSE_IN_WHOLE_K``)."""
-    from ..ops import hyper_connection
-
-    return _kernel_setting(hyper_connection, "COLLAPSE_IN_WHOLE_K", enabled)
-
-
 def weight_prefetch(enabled: bool):
     """While entered, ``dsv4::linears`` / ``dsv4::grouped_linear`` launch with PDL and their weight
     prefetch (``ops.kernels.linear.WEIGHT_PREFETCH``) or without."""

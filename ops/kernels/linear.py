@@ -390,8 +390,6 @@ def launch_linears(x: torch.Tensor | None, weights: list[torch.Tensor], config: 
     if collapse is not None:
         norm_weight, eps = collapse.out_norm
         x = collapse.partials.streams
-        if split == 1:  # whole-K programs: no multi-buffered loads beside the collapse's (docs/perf-log.md)
-            stages = 1
     norm = norm_weight.contiguous() if norm_weight is not None else x  # unread without a norm
     _linears_kernel[(tiles + riders, split)](x, m, k, x.stride(0), norm, float(eps), part, counters, tiles, split,
                                              k_per_split, *hc_args, *args, G=len(weights), M_PAD=m_pad,

@@ -13,7 +13,6 @@ from transformers.models.deepseek_v4.modeling_deepseek_v4 import (DeepseekV4Hype
 from dsv4_compile import hf_hyper_connection as hyper_connection
 from dsv4_compile.fx_passes import DSV4PassManager, FuseSinkhornPass
 from dsv4_compile.reference import hyper_connection as ref
-from dsv4_compile.testing.bench import collapse_in_whole_k
 from tests.support.compile_checks import fresh_compile_state
 from tests.support.hf_model import tiny_hf_config
 
@@ -139,16 +138,14 @@ def test_the_block_norm_in_the_ops_at_flash_width(tokens, monkeypatch):
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 5])
-@pytest.mark.parametrize("whole_k", [False, True])
 @torch.no_grad()
-def test_collapse_made_by_its_products_launch_at_flash_width(tokens, whole_k):
+def test_collapse_made_by_its_products_launch_at_flash_width(tokens):
     """``hc_pre_linears`` / ``hc_post_pre_linears`` / ``hc_head_linears`` (the products' launch
     makes the collapse up to four tokens; five run the two ops' launches) against the hc op and
     then ``linears``: post and comb bit for bit (the same summed mixes and Sinkhorn steps), the new
     streams bit for bit, the collapse within one bf16 rounding (its N terms add in another order),
     the products (a layer's projections of its hidden state, a sliding layer's split-K pair, an
-    lm_head-wide weight) within the rounding that moves. By default only the launches that split K
-    (the sliding pair) make the collapse; ``whole_k`` (``collapse_in_whole_k``) every one does."""
+    lm_head-wide weight) within the rounding that moves."""
     config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
     hc, head = _flash_width(DeepseekV4HyperConnection(config)), _flash_width(DeepseekV4HyperHead(config))
     g = torch.Generator(device="cuda").manual_seed(tokens)
@@ -161,13 +158,10 @@ def test_collapse_made_by_its_products_launch_at_flash_width(tokens, whole_k):
     ops = torch.ops.dsv4
     for rows in ((1024, 512, 1024, 1024, 512, 64), (1024, 512), (32768,)):
         weights = [torch.randn(r, 4096, device="cuda", generator=g).bfloat16() * 0.02 for r in rows]
-        with collapse_in_whole_k(whole_k):
-            fused = [ops.hc_pre_linears(streams, *settings, weights),
-                     ops.hc_post_pre_linears(post, comb, block_out, streams, *settings, weights),
-                     ops.hc_head_linears(streams, *head_settings, weights)]
-        apart = [ops.hc_pre(streams, *settings), ops.hc_post_pre(post, comb, block_out, streams, *settings),
-                 (ops.hc_head(streams, *head_settings),)]
-        cases = zip(fused, apart, strict=True)
+        cases = [(ops.hc_pre_linears(streams, *settings, weights), ops.hc_pre(streams, *settings)),
+                 (ops.hc_post_pre_linears(post, comb, block_out, streams, *settings, weights),
+                  ops.hc_post_pre(post, comb, block_out, streams, *settings)),
+                 (ops.hc_head_linears(streams, *head_settings, weights), (ops.hc_head(streams, *head_settings),))]
         for fused, apart in cases:
             *hc_out, products = fused
             for a, b in zip(hc_out[:-1], apart[:-1], strict=True):

@@ -15,7 +15,7 @@ import torch
 
 from dsv4_compile.ops.kernels import hyper_connection as kernels
 from dsv4_compile.reference import hyper_connection as ref
-from dsv4_compile.testing.bench import collapse_in_whole_k, posted_max_tokens
+from dsv4_compile.testing.bench import posted_max_tokens
 
 ATOL = 1e-6
 
@@ -227,16 +227,14 @@ def test_products_launch_collapse_limits(device):
 
 
 @pytest.mark.parametrize("tokens", [1, 4, 5])
-@pytest.mark.parametrize("whole_k", [False, True])
-def test_collapse_linears_ops_kernels_match_their_references(device, tokens, whole_k):
+def test_collapse_linears_ops_kernels_match_their_references(device, tokens):
     """The three ops' CUDA paths (called directly: the interpreter's tensors are CPU ones) against
     their references, the two ops in turn: fused up to four tokens (the products' launch splits K
-    at this K and row count), the hc op's launches then the products' above. ``whole_k``: a K whose
-    launch does not split, fused only with ``collapse_in_whole_k`` (on one pipeline stage)."""
+    at this K and row count), the hc op's launches then the products' above."""
     from dsv4_compile.ops import hyper_connection as ops
     from dsv4_compile.ops.kernels import linear
 
-    n, d = 4, 96 if whole_k else linear.DEEP_K
+    n, d = 4, linear.DEEP_K
     fn, base, scale = _hc_weights(n, d, (2 + n) * n, 3, device)
     head_fn, head_base, head_scale = _hc_weights(n, d, n, 1, device, seed=9)
     out_norm = _out_norm(d, device, True)
@@ -244,16 +242,14 @@ def test_collapse_linears_ops_kernels_match_their_references(device, tokens, who
     post, comb, _ = ref.hc_pre(_streams((tokens,), n, d, device, seed=3), fn, base, scale, 20, 1e-6, 1e-6)
     out = _streams((tokens,), 1, d, device, seed=2)[:, 0]
     weights = _product_weights(d, device)
-    assert ops._collapse_fits(streams, weights) == (tokens <= linear.COLLAPSE_MAX_TOKENS and not whole_k)
+    assert ops._collapse_fits(streams, weights) == (tokens <= linear.COLLAPSE_MAX_TOKENS)
     cases = [(ops._hc_pre_linears_cuda, ops.hc_pre_linears, (streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
              (ops._hc_post_pre_linears_cuda, ops.hc_post_pre_linears,
               (post, comb, out, streams, fn, base, scale, 20, 1e-6, 1e-6, *out_norm)),
              (ops._hc_head_linears_cuda, ops.hc_head_linears,
               (streams, head_fn, head_base, head_scale, 1e-6, 1e-6, *out_norm))]
-    with collapse_in_whole_k(whole_k):
-        assert ops._collapse_fits(streams, weights) == (tokens <= linear.COLLAPSE_MAX_TOKENS)
-        for cuda, reference, args in cases:
-            got, want = cuda(*args, weights), reference(*args, weights)
-            for g, w in zip(got[:-1], want[:-1], strict=True):
-                _assert_rounding_close(g, w)
-            _products_close(got[-1], got[-2], weights)
+    for cuda, reference, args in cases:
+        got, want = cuda(*args, weights), reference(*args, weights)
+        for g, w in zip(got[:-1], want[:-1], strict=True):
+            _assert_rounding_close(g, w)
+        _products_close(got[-1], got[-2], weights)
