@@ -31,6 +31,11 @@ times smaller than its streams still agrees to a rounding).
 ``dsv4::hc_post``: ``post ⊗ out + combᵀ @ streams`` in one pass over the streams, with the reference's
 roundings (weights, product, matrix product and sum each rounded to the streams' dtype).
 
+``dsv4::hc_*_linears`` (a collapse made by its products' launch, ``ops/kernels/linear.py``) run the
+projection alone (:func:`mix_partials`) and, in the products' kernel, the finishing kernel's two
+halves: :func:`collapse_weights` (the collapse weights and the block norm's factor, from the
+partials) in every product program, :func:`post_and_comb` in a program per token beside them.
+
 Numerics: every Sinkhorn step is the reference's ``x / (sum + eps)`` with an IEEE division
 (``div_rn``); sums (the projection's split-K, the N-term reductions) add in another order than the
 reference's, so results agree to fp32 rounding. Padding (rows and columns past N, matrices past M)
