@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import inspect
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -35,6 +36,14 @@ def fake_result(op: torch._ops.OpOverload, args: tuple):
     vals = pytree.tree_map(lambda a: a.meta["val"] if isinstance(a, torch.fx.Node) else a, list(args))
     with torch._guards.detect_fake_mode(pytree.tree_leaves(vals)):
         return op(*vals)
+
+
+def getitem_of(graph: torch.fx.Graph, source: torch.fx.Node, index: int) -> torch.fx.Node:
+    """A node ``source[index]`` at the graph's insertion point, its ``meta["val"]`` that of
+    ``source``'s (post-grad graphs)."""
+    item = graph.call_function(operator.getitem, (source, index))
+    item.meta["val"] = source.meta["val"][index]
+    return item
 
 
 def traced_value(arg: object) -> object:

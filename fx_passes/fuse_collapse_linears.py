@@ -26,7 +26,7 @@ import operator
 import torch
 
 from .. import ops  # noqa: F401  (registers the hc ops and their _linears forms)
-from .base import OnDevicesPass, call_arguments, fake_result, op_calls
+from .base import OnDevicesPass, call_arguments, fake_result, getitem_of, op_calls
 
 _aten = torch.ops.aten
 _LINEARS = torch.ops.dsv4.linears
@@ -91,23 +91,18 @@ def _fuse(graph: torch.fx.Graph, hc: torch.fx.Node, hc_op, fused_op, collapse_in
     either node read its outputs; both nodes (and a reshape left unread) go."""
     hc_args = call_arguments(hc, hc_op)
     args = tuple(hc_args[a.name] for a in hc_op.default._schema.arguments) + (products.args[1],)
+    hc_outputs = [hc] if collapse_index is None else [u for u in hc.users if u.target is operator.getitem]
+    product_outputs = [u for u in products.users if u.target is operator.getitem]
     with graph.inserting_before(hc):
         fused = graph.call_function(fused_op, args)
-        fused.meta["val"] = value = fake_result(fused_op, args)
-        listed = graph.call_function(operator.getitem, (fused, len(value) - 1))  # the products
-        listed.meta["val"] = value[-1]
-    hc_outputs = [hc] if collapse_index is None else [u for u in hc.users if u.target is operator.getitem]
-    for out in hc_outputs:
-        i = 0 if collapse_index is None else out.args[1]
-        with graph.inserting_before(hc):
-            node = graph.call_function(operator.getitem, (fused, i))
-            node.meta["val"] = value[i]
+        fused.meta["val"] = fake_result(fused_op, args)
+        listed = getitem_of(graph, fused, len(fused.meta["val"]) - 1)  # the products
+        replacements = [(out, getitem_of(graph, fused, 0 if collapse_index is None else out.args[1]))
+                        for out in hc_outputs]
+        replacements += [(out, getitem_of(graph, listed, out.args[1])) for out in product_outputs]
+    for out, node in replacements:
         out.replace_all_uses_with(node)
-    for out in [u for u in products.users if u.target is operator.getitem]:
-        with graph.inserting_before(hc):
-            node = graph.call_function(operator.getitem, (listed, out.args[1]))
-            node.meta["val"] = value[-1][out.args[1]]
-        out.replace_all_uses_with(node)
+    for out in product_outputs:
         graph.erase_node(out)
     x = products.args[0]
     graph.erase_node(products)

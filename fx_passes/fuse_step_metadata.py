@@ -19,7 +19,7 @@ import torch
 from .. import metadata_chain
 from .. import ops  # noqa: F401  (registers the dsv4:: ops matched here)
 from ..metadata_chain import CHAIN_OPS, fused_positions, output_index
-from .base import DSV4InductorPass, fake_result
+from .base import DSV4InductorPass, fake_result, getitem_of
 
 _dsv4 = torch.ops.dsv4
 # For each op of the chain: where each of its outputs stands among step_metadata's outputs.
@@ -90,10 +90,10 @@ class FuseStepMetadataPass(DSV4InductorPass):
             for node in (expand, *chain.values()):
                 positions = _FUSED_POSITIONS[node.target]
                 if len(positions) == 1:  # an op with one output: the node itself is that tensor
-                    outputs[node] = _getitem(graph, fused, positions[0])
+                    outputs[node] = getitem_of(graph, fused, positions[0])
                     continue
                 for i, item in _getitems(node).items():
-                    outputs[item] = _getitem(graph, fused, positions[i])
+                    outputs[item] = getitem_of(graph, fused, positions[i])
         for old, new in outputs.items():
             old.replace_all_uses_with(new)
         for old in outputs:
@@ -113,8 +113,3 @@ def _same_int(a, b) -> bool:
     evaluates a symbolic comparison (that would add a guard): anything else is not a match."""
     return a is b or (type(a) is int and type(b) is int and a == b)
 
-
-def _getitem(graph: torch.fx.Graph, fused: torch.fx.Node, index: int) -> torch.fx.Node:
-    item = graph.call_function(operator.getitem, (fused, index))
-    item.meta["val"] = fused.meta["val"][index]
-    return item
