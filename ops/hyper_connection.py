@@ -193,13 +193,9 @@ def hc_post(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, streams: 
     return ref.hc_post(post, comb, out, streams)
 
 
-def _check_post_pre(op: str, post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
-                    out_norm_eps) -> None:
+def _check_post_pre(op: str, post, comb, out, streams, *pre_args) -> None:
     _check_posted(op, post, comb, out, streams)
-    n = streams.shape[-2]
-    _check_weights(op, streams, fn, base, scale, (2 + n) * n, 3, hc_eps, norm_eps)
-    check_positive(op, "iters", iters)
-    _check_out_norm(op, streams, out_norm_weight, out_norm_eps)
+    _check_pre(op, streams, *pre_args)
 
 
 def _check_hc_post_pre(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight=None,
@@ -242,11 +238,16 @@ def hc_post_pre(post: torch.Tensor, comb: torch.Tensor, out: torch.Tensor, strea
 
 
 # -- a collapse and its products ---------------------------------------------------------------------
+def _rows(collapsed: torch.Tensor) -> torch.Tensor:
+    """``collapsed [..., D]`` as the ``[M, D]`` rows its products read."""
+    return collapsed.reshape(-1, collapsed.shape[-1])
+
+
 def _check_products(op: str, collapsed_like: torch.Tensor, weights) -> None:
     """``weights`` as ``dsv4::linears`` takes them for an input of ``collapsed_like``'s dtype and
     last dim (the collapse the products read)."""
     try:
-        _check_linears(collapsed_like.reshape(-1, collapsed_like.shape[-1]), weights)
+        _check_linears(_rows(collapsed_like), weights)
     except (TypeError, ValueError) as error:
         raise type(error)(str(error).replace("dsv4.linears: x", f"dsv4.{op}: the collapse").replace(
             "dsv4.linears", f"dsv4.{op}")) from None
@@ -270,16 +271,20 @@ def _check_hc_head_linears(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight
 
 
 def _products_fake(collapsed: torch.Tensor, weights) -> list[torch.Tensor]:
-    return _linears_fake(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    return _linears_fake(_rows(collapsed), weights)
 
 
-def _collapse_fits(streams: torch.Tensor, weights) -> bool:
+def _collapse_fits(streams: torch.Tensor, weights, posted: bool = False) -> bool:
     """Whether the products' launch makes the collapse itself (else the two ops run in turn): up to
-    four tokens and a launch that splits K, whose programs each run few K blocks (a launch of
-    whole-K programs ran several times slower with the collapse in its loop: docs/perf-log.md)."""
+    four tokens (``posted``: as many as the projection makes new streams for) and a launch that
+    splits K, whose programs each run few K blocks (a launch of whole-K programs ran several times
+    slower with the collapse in its loop: docs/perf-log.md)."""
     n, d = streams.shape[-2:]
     tokens = streams.numel() // (n * d) if n * d else 0
-    if not (1 <= tokens <= linear_kernels.COLLAPSE_MAX_TOKENS and n <= kernels.MAX_HC_N and d > 0
+    most = linear_kernels.COLLAPSE_MAX_TOKENS
+    if posted:
+        most = min(most, kernels.POSTED_MAX_TOKENS)
+    if not (1 <= tokens <= most and n <= kernels.MAX_HC_N and d > 0
             and streams.dtype in (torch.bfloat16, torch.float16) and len(weights) <= linear_kernels.MAX_WEIGHTS):
         return False
     return linear_kernels.default_config(d, sum(w.shape[0] for w in weights), tokens)[1]
@@ -312,7 +317,7 @@ def _hc_pre_linears_cuda(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_w
     if not _collapse_fits(x, weights):
         post, comb, collapsed = _hc_pre_cuda(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
                                              out_norm_eps)
-        return post, comb, collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+        return post, comb, collapsed, _linears_cuda(_rows(collapsed), weights)
     post, comb, collapsed, *products = _collapse_linears_cuda(x, fn, base, scale, iters, hc_eps, norm_eps,
                                                               (out_norm_weight, out_norm_eps), weights)
     return post, comb, collapsed, products
@@ -328,7 +333,7 @@ def hc_pre_linears(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale:
     [M, D], weights)`` (M the tokens of ``x``'s leading dims): ``(post, comb, collapsed, products)``,
     equal to the two ops in turn."""
     post, comb, collapsed = ref.hc_pre(x, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
-    return post, comb, collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    return post, comb, collapsed, linears_reference(_rows(collapsed), weights)
 
 
 def _hc_post_pre_linears_fake(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
@@ -340,12 +345,10 @@ def _hc_post_pre_linears_fake(post, comb, out, streams, fn, base, scale, iters, 
 
 def _hc_post_pre_linears_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps, norm_eps, out_norm_weight,
                               out_norm_eps, weights):
-    n = streams.shape[-2]
-    fits = _collapse_fits(streams, weights) and streams.numel() // (n * streams.shape[-1]) <= kernels.POSTED_MAX_TOKENS
-    if not fits:
+    if not _collapse_fits(streams, weights, posted=True):
         new, post, comb, collapsed = _hc_post_pre_cuda(post, comb, out, streams, fn, base, scale, iters, hc_eps,
                                                        norm_eps, out_norm_weight, out_norm_eps)
-        return new, post, comb, collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+        return new, post, comb, collapsed, _linears_cuda(_rows(collapsed), weights)
     new, post, comb, collapsed, *products = _collapse_linears_cuda(
         streams, fn, base, scale, iters, hc_eps, norm_eps, (out_norm_weight, out_norm_eps), weights,
         posted=(post, comb, out))
@@ -364,7 +367,7 @@ def hc_post_pre_linears(post: torch.Tensor, comb: torch.Tensor, out: torch.Tenso
     products)``, equal to the two ops in turn."""
     new, post, comb, collapsed = _hc_post_pre_reference(post, comb, out, streams, fn, base, scale, iters, hc_eps,
                                                         norm_eps, out_norm_weight, out_norm_eps)
-    return new, post, comb, collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    return new, post, comb, collapsed, linears_reference(_rows(collapsed), weights)
 
 
 def _hc_head_linears_fake(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
@@ -375,7 +378,7 @@ def _hc_head_linears_fake(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight,
 def _hc_head_linears_cuda(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps, weights):
     if not _collapse_fits(x, weights):
         collapsed = _hc_head_cuda(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
-        return collapsed, _linears_cuda(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+        return collapsed, _linears_cuda(_rows(collapsed), weights)
     collapsed, *products = _collapse_linears_cuda(x, fn, base, scale, 0, hc_eps, norm_eps,
                                                   (out_norm_weight, out_norm_eps), weights, head=True)
     return collapsed, products
@@ -390,4 +393,4 @@ def hc_head_linears(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     weights)`` (the model's final collapse and its lm_head): ``(collapsed, products)``, equal to the
     two ops in turn."""
     collapsed = ref.hc_head(x, fn, base, scale, hc_eps, norm_eps, out_norm_weight, out_norm_eps)
-    return collapsed, linears_reference(collapsed.reshape(-1, collapsed.shape[-1]), weights)
+    return collapsed, linears_reference(_rows(collapsed), weights)
