@@ -347,6 +347,17 @@ class Partials(NamedTuple):
     def split(self) -> int:
         return self.dots.shape[0]
 
+    @property
+    def gram_arg(self) -> torch.Tensor:
+        """The Gram partials, or without the norm ``sq`` in their place (unread)."""
+        return self.gram if self.gram is not None else self.sq
+
+    def meta(self) -> dict[str, int | float]:
+        """What a finishing program needs of the partials' layout: ``inv_k`` (1 / (N D)), ``NP``
+        (N padded to a power of two), ``MP`` (the mixes' row), ``SP`` (the splits padded)."""
+        return dict(inv_k=1.0 / (self.n * self.d), NP=triton.next_power_of_2(self.n), MP=self.dots.shape[2],
+                    SP=triton.next_power_of_2(self.split))
+
 
 def mix_partials(xs: torch.Tensor, fn: torch.Tensor, n: int, d: int,
                  posted: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, normed: bool,
@@ -386,28 +397,28 @@ def launch_hc_pre(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: 
     lead = x.shape[:-2]
     xs = x.contiguous().view(-1, n * d)
     fn, base, scale = fn.contiguous(), base.contiguous(), scale.contiguous()
-    tokens, k = xs.shape[0], n * d
+    tokens = xs.shape[0]
     if posted is not None and tokens > POSTED_MAX_TOKENS:
         new = launch_hc_post(*posted, x)
         return (new, *launch_hc_pre(new, fn, base, scale, iters, hc_eps, norm_eps, out_norm=out_norm))
     post = x.new_empty((*lead, n), dtype=torch.float32)
     comb = x.new_empty((*lead, n, n), dtype=torch.float32)
     out = x.new_empty((*lead, d))
-    streams = xs if posted is None else torch.empty_like(xs)  # no tokens: a new tensor as empty as x
     if tokens:
         norm_weight, out_norm_eps = out_norm
         normed = norm_weight is not None
         partials = mix_partials(xs, fn, n, d, posted, normed)
         streams = partials.streams  # x, or the new ones the projection's programs made
         parts = triton.cdiv(d, _BLOCK_D) + (0 if head else 1)
-        np2 = triton.next_power_of_2(n)
+        meta = partials.meta()
         _pre_finish_kernel[(tokens, parts)](streams, partials.dots, partials.sq, base, scale, post, comb, out,
-                                            norm_weight.contiguous() if normed else partials.sq,
-                                            partials.gram if normed else partials.sq, tokens, d, partials.split,
-                                            1.0 / k, iters, hc_eps, norm_eps, out_norm_eps, N=n, NP=np2,
-                                            MP=partials.dots.shape[2], SP=triton.next_power_of_2(partials.split),
+                                            norm_weight.contiguous() if normed else partials.sq, partials.gram_arg,
+                                            tokens, d, partials.split, meta["inv_k"], iters, hc_eps, norm_eps,
+                                            out_norm_eps, N=n, NP=meta["NP"], MP=meta["MP"], SP=meta["SP"],
                                             BLOCK_D=_BLOCK_D, HEAD=head, NORM=normed, PDL=has_pdl(x.device),
                                             num_warps=1)
+    else:
+        streams = xs if posted is None else torch.empty_like(xs)  # a new tensor, as empty as x
     if head:
         return out
     return (post, comb, out) if posted is None else (streams.view(x.shape), post, comb, out)

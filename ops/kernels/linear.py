@@ -215,12 +215,11 @@ def _rows_product(x_ptr, stride_x, M, K, k_start, k_span, w_rows, row_ok, norm_p
     for k0 in range(k_start, k_start + k_span, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < K
-        x_ok = m_ok[:, None] & k_ok[None, :]
         if COLLAPSE > 0:
             x = _collapsed_block(x_ptr, M, K, ks, k_ok, norm_ptr, pre, r_out, x_out_ptr, store_x, M_PAD, BLOCK_K,
                                  COLLAPSE, COLLAPSE_NORM)
         else:
-            x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=x_ok, other=0.0)
+            x = tl.load(x_ptr + m[:, None] * stride_x + ks[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
         if NORM:
             xf = x.to(tl.float32)
             squares += tl.sum(xf * xf, axis=1)
@@ -413,12 +412,12 @@ def _collapse_args(collapse: Collapse | None, x: torch.Tensor) -> tuple[list, di
     # a head has no post or comb (and no programs to write them: fp32 partials in their place, unwritten)
     mixes = [] if collapse.head else [x.new_empty(tokens, p.n, dtype=torch.float32),
                                       x.new_empty(tokens, p.n, p.n, dtype=torch.float32)]
-    normed = collapse.out_norm[0] is not None
-    args = [p.dots, p.sq, p.gram if normed else p.sq, collapse.base.contiguous(), collapse.scale.contiguous(),
-            *(mixes or [p.sq, p.sq]), collapsed, p.split, 1.0 / (p.n * p.d), collapse.iters,
-            collapse.hc_eps, collapse.norm_eps]
-    meta = dict(COLLAPSE=p.n, HC_NP=triton.next_power_of_2(p.n), HC_MP=p.dots.shape[2],
-                HC_SP=triton.next_power_of_2(p.split), T_PAD=triton.next_power_of_2(tokens), COLLAPSE_NORM=normed)
+    layout = p.meta()
+    args = [p.dots, p.sq, p.gram_arg, collapse.base.contiguous(), collapse.scale.contiguous(),
+            *(mixes or [p.sq, p.sq]), collapsed, p.split, layout["inv_k"], collapse.iters, collapse.hc_eps,
+            collapse.norm_eps]
+    meta = dict(COLLAPSE=p.n, HC_NP=layout["NP"], HC_MP=layout["MP"], HC_SP=layout["SP"],
+                T_PAD=triton.next_power_of_2(tokens), COLLAPSE_NORM=collapse.out_norm[0] is not None)
     return args, meta, 0 if collapse.head else tokens, [*mixes, collapsed]
 
 
