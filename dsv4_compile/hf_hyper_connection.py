@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from .plain_tensor import is_plain_tensor
+from .plain_tensor import is_plain_tensor, plain_rms_norm
 
 
 # Whether the ops apply the norm after a collapse (else the norm module runs on the op's output).
@@ -47,12 +47,8 @@ def _settings(hc: nn.Module) -> tuple:
 def _op_norm(norm: nn.Module | None) -> tuple[torch.Tensor | None, float]:
     """``(weight, eps)`` of ``norm`` when the ops apply it themselves (a ``DeepseekV4RMSNorm`` as
     transformers defines it, with a plain weight), else ``(None, 0.0)``."""
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
-
-    if (not NORM_IN_OP or norm is None or type(norm).forward is not DeepseekV4RMSNorm.forward
-            or not _plain(norm.weight)):
-        return None, 0.0
-    return norm.weight, norm.variance_epsilon
+    rms = plain_rms_norm(norm) if NORM_IN_OP else None
+    return rms if rms is not None else (None, 0.0)
 
 
 def _normed(collapsed: torch.Tensor, norm: nn.Module | None, applied: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .config import HEAD_DIM, INDEX_HEAD_DIM, DSV4AttnConfig
-from .plain_tensor import is_plain_tensor
+from .plain_tensor import is_plain_tensor, plain_rms_norm
 from .rope import layer_inv_freq
 
 ops = torch.ops.dsv4
@@ -100,12 +100,8 @@ class HFAttention(nn.Module):
         weight is called as ``dsv4::rms_norm`` on that weight (the same math, one traced op),
         which ``FuseSharedInputLinearsPass(fold_input_norm=True)`` folds into the ``q_b_proj``
         products that read it; any other module is called as it is."""
-        from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RMSNorm
-
-        norm = self.attn.q_a_norm
-        if type(norm).forward is not DeepseekV4RMSNorm.forward or not is_plain_tensor(norm.weight):
-            return norm(q_lora)
-        return ops.rms_norm(q_lora, norm.weight, norm.variance_epsilon)
+        rms = plain_rms_norm(self.attn.q_a_norm)
+        return self.attn.q_a_norm(q_lora) if rms is None else ops.rms_norm(q_lora, *rms)
 
     def output(self, o: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Attention output ``[T, H, 512]`` -> ``[T, hidden]``: inverse RoPE, grouped ``o_a_proj``, ``o_b_proj``."""
