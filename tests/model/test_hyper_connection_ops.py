@@ -258,3 +258,33 @@ def test_hc_head_hc_post_and_hc_post_pre_bad_arguments_are_named():
     with pytest.raises(ValueError, match="dsv4.hc_head: out_norm_weight is on meta"):
         torch.ops.dsv4.hc_head(x, head.hc_fn.data, head.hc_base.data, head.hc_scale.data, 1e-6, 1e-6,
                                weight.to("meta"), 1e-6)
+
+
+def test_collapse_linears_ops_bad_arguments_are_named():
+    """``hc_*_linears``: the hc op's arguments checked as that op checks them, under the fused op's
+    name; the products' weights as ``dsv4::linears`` checks them, the collapse named for its x."""
+    config = tiny_hf_config()
+    x = _streams(config, 1, 3)
+    hidden = config.hidden_size
+    pre_args = _pre_args(config)[1:] + [None, 1e-6]
+    weights = [torch.zeros(8, hidden).bfloat16()]
+    post, comb, out = torch.zeros(1, 3, 4), torch.zeros(1, 3, 4, 4), torch.zeros(1, 3, hidden).bfloat16()
+    head = DeepseekV4HyperHead(config)
+    head_args = [head.hc_fn.data, head.hc_base.data, head.hc_scale.data, 1e-6, 1e-6, None, 1e-6]
+    ops = torch.ops.dsv4
+    with pytest.raises(ValueError, match="dsv4.hc_pre_linears: iters=0"):
+        ops.hc_pre_linears(x, *pre_args[:3], 0, *pre_args[4:], weights)
+    with pytest.raises(ValueError, match=rf"dsv4.hc_pre_linears: weights\[0\] has shape \(8, 7\), expected {hidden}"):
+        ops.hc_pre_linears(x, *pre_args, [torch.zeros(8, 7).bfloat16()])
+    with pytest.raises(ValueError, match="dsv4.hc_pre_linears: weights must hold at least one tensor"):
+        ops.hc_pre_linears(x, *pre_args, [])
+    with pytest.raises(TypeError, match="dsv4.hc_pre_linears: the collapse must have dtype"):
+        ops.hc_pre_linears(x.float(), *pre_args, [w.float() for w in weights])
+    with pytest.raises(ValueError, match="dsv4.hc_post_pre_linears: comb has shape"):
+        ops.hc_post_pre_linears(post, comb[:, :2], out, x, *pre_args, weights)
+    with pytest.raises(TypeError, match=r"dsv4.hc_post_pre_linears: weights\[0\] must have dtype torch.bfloat16"):
+        ops.hc_post_pre_linears(post, comb, out, x, *pre_args, [w.float() for w in weights])
+    with pytest.raises(ValueError, match="dsv4.hc_head_linears: fn has shape"):
+        ops.hc_head_linears(x, head_args[0][:2], *head_args[1:], weights)
+    with pytest.raises(ValueError, match="dsv4.hc_head_linears: weights must hold at least one tensor"):
+        ops.hc_head_linears(x, *head_args, [])
