@@ -20,10 +20,10 @@ CUDA-graph replays: ``in_projection`` (the projection's programs make the new st
 and ``apart`` (``hc_post``, then ``hc_pre``: 3), whatever the op's token threshold
 (``POSTED_MAX_TOKENS``) would pick.
 
-``with_products`` in each case of at most four tokens times ``hc_post_pre`` followed by the
-products of its collapse, for each of :data:`PRODUCT_GROUPS`: ``apart`` (the op, then
-``dsv4::linears``) and ``fused`` (``dsv4::hc_post_pre_linears``, what ``FuseCollapseLinearsPass``
-puts in its place), µs per call over CUDA-graph replays.
+``with_products`` in each case of at most ``COLLAPSE_MAX_TOKENS`` tokens (one) times
+``hc_post_pre`` followed by the products of its collapse, for each of :data:`PRODUCT_GROUPS`:
+``apart`` (the op, then ``dsv4::linears``) and ``fused`` (``dsv4::hc_post_pre_linears``, what
+``FuseCollapseLinearsPass`` puts in its place), µs per call over CUDA-graph replays.
 """
 
 from __future__ import annotations

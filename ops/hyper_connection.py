@@ -13,7 +13,7 @@
 * ``dsv4::hc_pre_linears``, ``dsv4::hc_post_pre_linears``, ``dsv4::hc_head_linears``: ``hc_pre``,
   ``hc_post_pre`` and ``hc_head`` with the products of their collapse (``dsv4::linears``' weights),
   as the two ops in turn. ``FuseCollapseLinearsPass`` (``fx_passes/fuse_collapse_linears.py``)
-  puts them where a collapse feeds a ``linears`` call. On CUDA up to four tokens they are the
+  puts them where a collapse feeds a ``linears`` call. On CUDA at one token they are the
   projection's launch and the products' launch: each product program sums the projection's
   partials and collapses its own K blocks, and a program per token beside the products writes
   ``post`` and the Sinkhorn-normalised ``comb``, so the collapse's finishing launch (the Sinkhorn
@@ -276,9 +276,9 @@ def _products_fake(collapsed: torch.Tensor, weights) -> list[torch.Tensor]:
 
 def _collapse_fits(streams: torch.Tensor, weights, posted: bool = False) -> bool:
     """Whether the products' launch makes the collapse itself (else the two ops run in turn): up to
-    four tokens (``posted``: as many as the projection makes new streams for) and a launch that
-    splits K, whose programs each run few K blocks (a launch of whole-K programs ran several times
-    slower with the collapse in its loop: docs/perf-log.md)."""
+    ``COLLAPSE_MAX_TOKENS`` tokens (``posted``: and as many as the projection makes new streams for)
+    and a launch that splits K, whose programs each run few K blocks (a launch of whole-K programs
+    ran several times slower with the collapse in its loop: docs/perf-log.md)."""
     n, d = streams.shape[-2:]
     tokens = streams.numel() // (n * d) if n * d else 0
     most = linear_kernels.COLLAPSE_MAX_TOKENS

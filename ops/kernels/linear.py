@@ -333,8 +333,12 @@ class Collapse(NamedTuple):
 
 
 # Tokens up to which launch_linears makes a collapse itself: each program sums every token's
-# partials (a [SPLIT, T_PAD, N, N] tile of the Gram partials) before its K loop.
-COLLAPSE_MAX_TOKENS = 4
+# partials (a [SPLIT, T_PAD, N, N] tile of the Gram partials) before its K loop. One token: on an
+# H100 at the Flash width, hc_post_pre and a sliding layer's q_a + kv took 14.7 µs fused against
+# 18.0 apart at 1 token, but 82 µs against 19.4 at 2 and ~1,410 µs against ~20 at 3 and 4: there
+# the projection splits D 128 ways and the partials' tile ([128, T_PAD, ...], ~84 fp32 values a
+# thread at 4 tokens) makes ptxas spill (6 KiB of stack a thread, 72 registers) inside the K loop.
+COLLAPSE_MAX_TOKENS = 1
 
 
 def launch_linears(x: torch.Tensor | None, weights: list[torch.Tensor], config: TileConfig | None = None,

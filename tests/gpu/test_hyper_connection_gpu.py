@@ -137,13 +137,14 @@ def test_the_block_norm_in_the_ops_at_flash_width(tokens, monkeypatch):
         _close_to_one_rounding(got[3], norm(hc(got[0])[2]))
 
 
-@pytest.mark.parametrize("tokens", [1, 4, 5])
+@pytest.mark.parametrize("tokens", [1, 2])
 @torch.no_grad()
 def test_collapse_made_by_its_products_launch_at_flash_width(tokens):
     """``hc_pre_linears`` / ``hc_post_pre_linears`` / ``hc_head_linears`` (the products' launch
-    makes the collapse up to four tokens; five run the two ops' launches) against the hc op and
-    then ``linears``: post and comb bit for bit (the same summed mixes and Sinkhorn steps), the new
-    streams bit for bit, the collapse within one bf16 rounding (its N terms add in another order),
+    makes the collapse at one token; two run the two ops' launches) against the hc op and then
+    ``linears``: the new streams bit for bit, post and comb within fp32 rounding (the same summed
+    mixes and Sinkhorn steps, in another kernel whose multiply-adds the compiler may contract
+    otherwise), the collapse within one bf16 rounding (its N terms add in another order),
     the products (a layer's projections of its hidden state, a sliding layer's split-K pair, an
     lm_head-wide weight) within the rounding that moves."""
     config = tiny_hf_config(num_hidden_layers=1, hidden_size=4096)
@@ -165,7 +166,10 @@ def test_collapse_made_by_its_products_launch_at_flash_width(tokens):
         for fused, apart in cases:
             *hc_out, products = fused
             for a, b in zip(hc_out[:-1], apart[:-1], strict=True):
-                assert torch.equal(a, b)
+                if a.dtype == torch.bfloat16:  # the new streams
+                    assert torch.equal(a, b)
+                else:  # post, comb
+                    torch.testing.assert_close(a, b)
             _close_to_one_rounding(hc_out[-1], apart[-1])
             for got, w in zip(products, weights, strict=True):
                 want = hc_out[-1].reshape(tokens, 4096).float() @ w.float().T
