@@ -44,3 +44,27 @@ def test_launched_kernels_compile_for_sm90(recorded_launches):
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-3000:]
     compiled = int(proc.stdout.split()[0])
     assert compiled >= MIN_VARIANTS, proc.stdout
+
+
+def test_compiled_variant_is_specialised_as_a_gpu_launch():
+    """A recorded launch compiles as the GPU specialises its arguments: an integer of 1 a constant,
+    integers divisible by 16 and tensors marked divisible by 16, other integers as they are."""
+    from tests.support.kernel_launches import compile_spec
+
+    tensor = {"tensor": "bfloat16"}
+    # _grouped_linear_kernel(x, w, out, M, G, K, N, stride_xm, stride_xg, tiles, *constexprs)
+    scalars = {"M": 1, "G": 8, "K": 4096, "N": 1000, "stride_xm": 32768, "stride_xg": 4096, "tiles": 7}
+    launch = {"module": "dsv4_compile.ops.kernels.linear", "kernel": "_grouped_linear_kernel",
+              "args": [tensor] * 3 + [{"value": v} for v in scalars.values()],
+              "kwargs": {"M_PAD": {"value": 16}, "BLOCK_N": {"value": 32}, "BLOCK_K": {"value": 512},
+                         "PREFETCH_K": {"value": 256}, "num_warps": {"value": 4}, "num_stages": {"value": 3}}}
+    fn, signature, constexprs, attrs, options = compile_spec(launch)
+    divisible = [["tt.divisibility", 16]]
+    index = {name: (i,) for i, name in enumerate(fn.arg_names)}
+    assert signature["M"] == "constexpr" and constexprs[index["M"]] == 1
+    assert signature["x_ptr"] == "*bf16" and attrs[index["x_ptr"]] == divisible
+    for name in ("K", "stride_xm", "stride_xg"):
+        assert signature[name] == "i32" and attrs[index[name]] == divisible, name
+    for name in ("G", "N", "tiles"):
+        assert signature[name] == "i32" and attrs[index[name]] == [], name
+    assert constexprs[index["BLOCK_K"]] == 512 and options == {"num_warps": 4, "num_stages": 3}
