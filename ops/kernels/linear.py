@@ -87,6 +87,12 @@ _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch reque
 MANY_ROWS_DEEP_K_CONFIG = (32, 256, 4, 4)
 MANY_ROWS_SHALLOW_K_CONFIG = (64, 256, 4, 3)
 MANY_ROWS_GROUPED_CONFIG = (64, 256, 4, 3)
+# Up to 16 rows with a folded norm at K < DEEP_K (the query latent's products): one stage. With
+# more, Triton's pipeliner stages the norm weight's K block through shared memory and the loop
+# waits and syncs on it each step. On an H100 at one row: a lone q_b 25.9 µs against 44.9 with
+# SHALLOW_K_CONFIG (plain 25.2), a CSA layer's q_b + indexer q_b 34.2 against 47.3 (plain 30.6;
+# docs/perf-log.md).
+NORMED_SHALLOW_K_CONFIG = (64, 256, 4, 1)
 
 
 def rows_pad(m: int) -> int:
@@ -94,11 +100,14 @@ def rows_pad(m: int) -> int:
     return max(DOT_MIN_ROWS, triton.next_power_of_2(m))
 
 
-def default_config(k: int, rows: int = 0, m: int = 1) -> tuple[TileConfig, bool]:
+def default_config(k: int, rows: int = 0, m: int = 1, norm: bool = False) -> tuple[TileConfig, bool]:
     """``(tile, split_k)``: the launch tile for ``m`` rows of x, ``K = k`` input features and
-    ``rows`` weight rows in all, and whether the launch splits K."""
+    ``rows`` weight rows in all (``norm``: x RMS-normed in the launch), and whether the launch
+    splits K."""
     if m > DOT_MIN_ROWS:
         return (MANY_ROWS_DEEP_K_CONFIG if k >= DEEP_K else MANY_ROWS_SHALLOW_K_CONFIG), False
+    if norm and k < DEEP_K:
+        return NORMED_SHALLOW_K_CONFIG, False
     if rows >= WIDE_ROWS:
         return WIDE_CONFIG, False
     if k >= DEEP_K:
@@ -372,7 +381,7 @@ def launch_linears(x: torch.Tensor | None, weights: list[torch.Tensor], config: 
     weights = [_aligned(w) for w in weights]  # outputs are fresh allocations, aligned too
     outs = [x.new_empty(m, w.shape[0]) for w in weights]
     if config is None:
-        config, split_k = default_config(k, sum(w.shape[0] for w in weights), m)
+        config, split_k = default_config(k, sum(w.shape[0] for w in weights), m, norm=norm_weight is not None)
     block_n, block_k, warps, stages = config
     m_pad = rows_pad(m)
     firsts = [0]

@@ -210,6 +210,16 @@ def test_default_config_splits_only_small_groups_at_deep_k():
     assert kernels.default_config(4096, 129280) == (kernels.WIDE_CONFIG, False)
 
 
+def test_default_config_of_a_folded_norm_is_one_stage_at_shallow_k():
+    """With the norm folded the query latent's products (K 1024, up to 16 rows) take the one-stage
+    tile; deeper K and more rows go as without it."""
+    assert kernels.default_config(1024, 40960, 1, norm=True) == (kernels.NORMED_SHALLOW_K_CONFIG, False)
+    assert kernels.default_config(1024, 32768, 16, norm=True) == (kernels.NORMED_SHALLOW_K_CONFIG, False)
+    assert kernels.NORMED_SHALLOW_K_CONFIG[3] == 1
+    assert kernels.default_config(1024, 32768, 17, norm=True) == (kernels.MANY_ROWS_SHALLOW_K_CONFIG, False)
+    assert kernels.default_config(4096, 4160, 1, norm=True) == (kernels.DEEP_K_CONFIG, False)
+
+
 def test_default_config_above_16_rows_by_depth_unsplit():
     """From 17 rows of x the tile goes by K alone (a skinny GEMM's), never split."""
     for rows in (8, 1536, 4160, 129280):
