@@ -42,7 +42,8 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
   ``o_a_proj`` through ``dsv4::grouped_linear``, against cuBLAS (``x @ w.T``, the ``bmm``); 4
   copies of each weight cycled (one of ``lm_head``, which outsizes the L2 alone).
   ``--linear-tiles 32x512x4x4 ...`` times the kernels at each given tile instead of the
-  launcher's (``BLOCK_N x BLOCK_K x warps x stages``).
+  launcher's (``BLOCK_N x BLOCK_K x warps x stages``); ``--expert-tiles`` the same for both expert
+  kernels (cases of at most ``MAX_SLOTS`` slots).
 
 Adding cases: a builder is ``fn(args) -> list[Case]`` (``dsv4_compile.testing.bench.Case``)
 appended to ``CASE_BUILDERS``.
@@ -317,13 +318,18 @@ def experts_cases(args) -> list[Case]:
             def over_layers(fn, x=x, ids=ids, weights=weights):  # bound now: the loops rebind them
                 return [fn(x, ids, gate_up, down, 10.0) for gate_up, down in weights]
 
-            cases.append(Case("routed_experts", {"b": b, "experts": num_experts, "topk": topk, "layers": layers},
-                              family="experts",
+            params = {"b": b, "experts": num_experts, "topk": topk, "layers": layers}
+            nbytes = layers * (reached * 3 * hidden * inter + b * hidden + b * topk * hidden) * 2
+            extra = {"slots": b * topk, "kernels": b * topk <= expert_kernels.MAX_SLOTS}
+            cases.append(Case("routed_experts", params, family="experts",
                               kernel=partial(over_layers, torch.ops.dsv4.routed_experts),
-                              reference=partial(over_layers, experts_ops.grouped_routed_experts),
-                              bytes=layers * (reached * 3 * hidden * inter + b * hidden + b * topk * hidden) * 2,
-                              notes=f"{reached} experts reached; reference: the grouped GEMMs",
-                              extra={"slots": b * topk, "kernels": b * topk <= expert_kernels.MAX_SLOTS}))
+                              reference=partial(over_layers, experts_ops.grouped_routed_experts), bytes=nbytes,
+                              notes=f"{reached} experts reached; reference: the grouped GEMMs", extra=extra))
+            for tile in map(_tile, args.expert_tiles if extra["kernels"] else ()):
+                launch = partial(expert_kernels.launch_routed_experts, gate_up_config=tile, down_config=tile)
+                cases.append(Case("routed_experts", {**params, "tile": tile}, family="experts",
+                                  kernel=partial(over_layers, launch), reference=None, bytes=nbytes,
+                                  notes=f"{reached} experts reached; both kernels at the tile", extra=extra))
     return cases
 
 
@@ -462,6 +468,8 @@ def main(argv=None) -> None:
     parser.add_argument("--select", choices=sorted(topk_select.PATH_LIMITS), help="force this path of the top-k select")
     parser.add_argument("--linear-tiles", nargs="*", default=[], metavar="NxKxWxS",
                         help="also time the linear kernels at these tiles (BLOCK_N x BLOCK_K x warps x stages)")
+    parser.add_argument("--expert-tiles", nargs="*", default=[], metavar="NxKxWxS",
+                        help="also time both routed-expert kernels at these tiles")
     args = parser.parse_args(argv)
     if args.select:
         for name, limit in topk_select.PATH_LIMITS[args.select].items():
