@@ -68,3 +68,38 @@ def test_compiled_variant_is_specialised_as_a_gpu_launch():
     for name in ("G", "N", "tiles"):
         assert signature[name] == "i32" and attrs[index[name]] == [], name
     assert constexprs[index["BLOCK_K"]] == 512 and options == {"num_warps": 4, "num_stages": 3}
+
+
+def test_collapse_launch_at_the_models_tile_builds_without_local_memory(recorded_launches):
+    """The products' launch that makes a hyper-connection's collapse, at the model's split-K tile
+    and one token (the launch's limit), specialised as on the GPU: its sm_90 build keeps everything
+    in registers. From two tokens it spilled (6 KiB of stack a thread at four) and ran ~70x slower
+    on an H100 (docs/perf-log.md, 2026-12-06)."""
+    import inspect
+    import json
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from dsv4_compile.ops.kernels import hyper_connection, linear
+    from tests.support.kernel_launches import compile_spec, local_memory_use
+
+    launch = next(launch for launch in json.loads(recorded_launches.read_text())
+                  if launch["kernel"] == "_linears_kernel" and launch["kwargs"]["COLLAPSE"]["value"] == 4
+                  and launch["kwargs"]["SPLIT_K"]["value"])
+    tokens, width, streams, mixes = linear.COLLAPSE_MAX_TOKENS, 4096, 4, 24  # the Flash model's mHC
+    mix_row, _, _, _, d_per_split = hyper_connection._mix_plan(tokens, width, streams, mixes)
+    splits = triton.cdiv(width, d_per_split)
+    block_n, block_k, warps, stages = linear.SPLIT_K_CONFIG
+    model = {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_warps": warps, "num_stages": stages,
+             "M_PAD": linear.rows_pad(tokens), "T_PAD": triton.next_power_of_2(tokens), "HC_NP": streams,
+             "HC_MP": mix_row, "HC_SP": triton.next_power_of_2(splits), "PREFETCH_K": 256}
+    launch["kwargs"].update({name: {"value": value} for name, value in model.items()})
+    names = list(inspect.signature(linear._linears_kernel.fn).parameters)
+    for name, value in {"M": tokens, "K": width, "hc_split": splits}.items():
+        launch["args"][names.index(name)] = {"value": value}
+    fn, signature, constexprs, attrs, options = compile_spec(launch)
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    assert local_memory_use(kernel.asm["ptx"]) is None

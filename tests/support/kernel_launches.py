@@ -154,7 +154,7 @@ def compile_spec(launch: dict):
     return fn, signature, constexprs, attrs, options
 
 
-def _local_memory(ptx: str) -> str | None:
+def local_memory_use(ptx: str) -> str | None:
     """ptxas's resource line of a kernel compiled for sm_90 where it uses a stack frame (local
     memory: spilled registers, or arrays indexed at run time), else None."""
     from triton.backends.nvidia.compiler import get_ptxas
@@ -185,7 +185,7 @@ def _compile(launch: dict, local_memory: bool = False) -> tuple[str | None, str 
                                 target=GPUTarget("cuda", 90, 32), options=options)
     except Exception as e:  # noqa: BLE001 - every compiler error is a finding
         return f"{name}: {type(e).__name__}: {str(e)[:2000]}", None
-    used = _local_memory(kernel.asm["ptx"]) if local_memory else None
+    used = local_memory_use(kernel.asm["ptx"]) if local_memory else None
     if used is None:
         return None, None
     constants = ", ".join(f"{fn.arg_names[i]}={v}" for (i,), v in sorted(constexprs.items()) if v is not None)
