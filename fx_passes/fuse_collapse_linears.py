@@ -5,11 +5,11 @@ and the ``dsv4::linears`` call of its collapse.
 Each block of the model starts from a collapse of the streams (``hc_pre`` / ``hc_post_pre``,
 normalised by the block's input norm) whose main reader is one ``linears`` call: a layer's
 projections of its normed hidden state, a learned router's product, the ``lm_head`` after the
-final ``hc_head``. On CUDA at one token the fused op runs the projection's launch and then
-the products' launch, whose programs sum the projection's partials and collapse their own K blocks
-of the streams, while a program per token beside them writes ``post`` and the Sinkhorn-normalised
-``comb``: the hc op's finishing launch (~5 µs at one token, the 20 Sinkhorn steps on its critical
-path) is gone. Elsewhere, and above one token, the op is the two ops' launches in turn.
+final ``hc_head``. On CUDA at one token, where the products' launch splits K, the fused op runs
+the projection's launch and then the products' launch, whose programs sum the projection's partials
+and collapse their own K blocks of the streams, while one more program writes ``post`` and the
+Sinkhorn-normalised ``comb``: the hc op's finishing launch (~5 µs at one token, the 20 Sinkhorn
+steps on its critical path) is gone. Elsewhere, and above one token, the op is the two ops' launches in turn.
 
 Matched in the post-grad graph, after :class:`~.fuse_shared_input_linears.FuseSharedInputLinearsPass`
 has made the ``linears`` calls (run it after that pass): an hc op call whose collapse (or a 2-D

@@ -15,7 +15,7 @@
   as the two ops in turn. ``FuseCollapseLinearsPass`` (``fx_passes/fuse_collapse_linears.py``)
   puts them where a collapse feeds a ``linears`` call. On CUDA at one token they are the
   projection's launch and the products' launch: each product program sums the projection's
-  partials and collapses its own K blocks, and a program per token beside the products writes
+  partials and collapses its own K blocks, and one more program beside the products writes
   ``post`` and the Sinkhorn-normalised ``comb``, so the collapse's finishing launch (the Sinkhorn
   steps on its critical path) is gone.
 * ``dsv4::sinkhorn``: the Sinkhorn-Knopp normalisation of the comb weights alone. Nothing calls it:
