@@ -40,7 +40,8 @@ Cases, for every ``b`` in ``--batch`` (decode: one row per request unless stated
 * linears: the Flash model's products of one weight at b rows (``o_b_proj``, ``q_b_proj``, the
   shared expert's ``down_proj``, ``lm_head``) through ``dsv4::linears``, and its grouped
   ``o_a_proj`` through ``dsv4::grouped_linear``, against cuBLAS (``x @ w.T``, the ``bmm``); 4
-  copies of each weight cycled (one of ``lm_head``, which outsizes the L2 alone).
+  copies of each weight cycled (one of ``lm_head``, which outsizes the L2 alone). ``q_b_proj
+  normed``: the query latent's norm folded into the launch, against the norm, then cuBLAS.
   ``--linear-tiles 32x512x4x4 ...`` times the kernels at each given tile instead of the
   launcher's (``BLOCK_N x BLOCK_K x warps x stages``); ``--expert-tiles`` the same for both expert
   kernels (cases of at most ``MAX_SLOTS`` slots).
@@ -59,6 +60,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 from dsv4_compile import ForwardMode, layout
 from dsv4_compile.config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, SWA_WINDOW
@@ -360,6 +362,7 @@ LINEAR_SHAPES = {"cuda": (("o_b", 1, 4096, 8192), ("q_b", 1, 32768, 1024), ("sha
                           ("lm_head", 1, 129280, 4096), ("o_a", 8, 1024, 4096)),
                  "cpu": (("o_b", 1, 48, 64), ("o_a", 2, 24, 32))}
 _L2_SAFE_BYTES = 1 << 30  # a weight this large is not held in the L2 between calls on its own
+_NORM_EPS = 1e-6
 
 
 def _tile(text: str) -> tuple[int, int, int, int]:
@@ -369,34 +372,43 @@ def _tile(text: str) -> tuple[int, int, int, int]:
 
 def linear_cases(args) -> list[Case]:
     """``dsv4::linears``' kernel (one weight) / ``dsv4::grouped_linear``'s at b rows (up to 64: the
-    ops run cuBLAS above) against cuBLAS, each call cycling over copies of the weight. Bytes: the
-    weight read, x read, the output written."""
+    ops run cuBLAS above) against cuBLAS, each call cycling over copies of the weight; a product of
+    K < ``DEEP_K`` (the query latent's ``q_b``) also with its input's RMSNorm folded into the
+    launch (``<product> normed``) against the norm, then cuBLAS. Bytes: the weight read, x read,
+    the output written."""
     cases = []
     for name, groups, n, k in LINEAR_SHAPES[torch.device(args.device).type]:
         gen = torch.Generator(device=args.device).manual_seed(n)
         copies = 1 if groups * n * k * 2 >= _L2_SAFE_BYTES else 4
         weights = [(torch.randn(groups * n, k, generator=gen, device=args.device) * 0.02).bfloat16()
                    for _ in range(copies)]
+        norms = {name: None}
+        if groups == 1 and k < linear_kernels.DEEP_K:
+            norms[f"{name} normed"] = (torch.rand(k, generator=gen, device=args.device) + 0.5).bfloat16()
         for b in (b for b in args.batch if b <= linear_kernels.MAX_ROWS):  # the ops' cuBLAS above
             x = torch.randn(b, groups, k, generator=gen, device=args.device).bfloat16()
             nbytes = (groups * n * k + b * groups * (k + n)) * 2
-            if groups == 1:
-                def kernel(config=None, x=x[:, 0], weights=weights):
-                    return [linear_kernels.launch_linears(x, [w], config) for w in weights]
+            for product, norm in norms.items():
+                if groups == 1:
+                    def kernel(config=None, x=x[:, 0], weights=weights, norm=norm):
+                        return [linear_kernels.launch_linears(x, [w], config, norm_weight=norm, eps=_NORM_EPS)
+                                for w in weights]
 
-                def cublas(x=x[:, 0], weights=weights):
-                    return [x @ w.T for w in weights]
-            else:
-                def kernel(config=None, x=x, weights=weights):
-                    return [linear_kernels.launch_grouped_linear(x, w, config) for w in weights]
+                    def cublas(x=x[:, 0], weights=weights, norm=norm):
+                        return [(x if norm is None else F.rms_norm(x, x.shape[-1:], norm, _NORM_EPS)) @ w.T
+                                for w in weights]
+                else:
+                    def kernel(config=None, x=x, weights=weights):
+                        return [linear_kernels.launch_grouped_linear(x, w, config) for w in weights]
 
-                def cublas(x=x, weights=weights):
-                    return [grouped_linear_reference(x, w) for w in weights]
-            for tile in (None, *map(_tile, args.linear_tiles)):
-                params = {"b": b, "product": name, "copies": copies, "tile": "default" if tile is None else tile}
-                cases.append(Case("linear", params, family="linears", kernel=partial(kernel, tile),
-                                  reference=cublas if tile is None else None, bytes=copies * nbytes,
-                                  notes="reference: cuBLAS"))
+                    def cublas(x=x, weights=weights):
+                        return [grouped_linear_reference(x, w) for w in weights]
+                for tile in (None, *map(_tile, args.linear_tiles)):
+                    params = {"b": b, "product": product, "copies": copies,
+                              "tile": "default" if tile is None else tile}
+                    cases.append(Case("linear", params, family="linears", kernel=partial(kernel, tile),
+                                      reference=cublas if tile is None else None, bytes=copies * nbytes,
+                                      notes="reference: cuBLAS" if norm is None else "reference: the norm, cuBLAS"))
     return cases
 
 
