@@ -135,7 +135,8 @@ def main(argv=None) -> dict:
                   + " | post_pre " + " ".join(f"{name} {us:.2f} us" for name, us in case["post_pre"].items()),
                   flush=True)
             for group, timed in case.get("with_products", {}).items():
-                print(f"        with {group}: " + " ".join(f"{way} {us:.2f} us" for way, us in timed.items()), flush=True)
+                print(f"        with {group}: " + " ".join(f"{way} {us:.2f} us" for way, us in timed.items()),
+                      flush=True)
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     if args.plot:

@@ -79,11 +79,9 @@ def test_collapse_launch_at_the_models_tile_builds_without_local_memory(recorded
     import json
 
     import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     from dsv4_compile.ops.kernels import hyper_connection, linear
-    from tests.support.kernel_launches import compile_spec, local_memory_use
+    from tests.support.kernel_launches import compile_for_sm90, local_memory_use
 
     launch = next(launch for launch in json.loads(recorded_launches.read_text())
                   if launch["kernel"] == "_linears_kernel" and launch["kwargs"]["COLLAPSE"]["value"] == 4
@@ -99,7 +97,5 @@ def test_collapse_launch_at_the_models_tile_builds_without_local_memory(recorded
     names = list(inspect.signature(linear._linears_kernel.fn).parameters)
     for name, value in {"M": tokens, "K": width, "hc_split": splits}.items():
         launch["args"][names.index(name)] = {"value": value}
-    fn, signature, constexprs, attrs, options = compile_spec(launch)
-    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options=options)
+    kernel, _ = compile_for_sm90(launch)
     assert local_memory_use(kernel.asm["ptx"]) is None

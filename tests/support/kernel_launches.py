@@ -171,18 +171,25 @@ def local_memory_use(ptx: str) -> str | None:
     return f"{registers.group(1)} registers, {frame.group(1)} bytes of stack, {frame.group(2)} bytes of spill stores"
 
 
-def _compile(launch: dict, local_memory: bool = False) -> tuple[str | None, str | None]:
-    """Compile one launch's variant for sm_90: ``(failure, local memory)``, each None or a line
-    naming the variant; the local memory only when asked for."""
+def compile_for_sm90(launch: dict):
+    """``(compiled kernel, compile_spec)`` of one recorded launch, built by Triton for sm_90."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    spec = compile_spec(launch)
+    fn, signature, constexprs, attrs, options = spec
+    kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
+                            target=GPUTarget("cuda", 90, 32), options=options)
+    return kernel, spec
+
+
+def _compile(launch: dict, local_memory: bool = False) -> tuple[str | None, str | None]:
+    """Compile one launch's variant for sm_90: ``(failure, local memory)``, each None or a line
+    naming the variant; the local memory only when asked for."""
     name = f"{launch['module']}.{launch['kernel']}"
     try:
-        fn, signature, constexprs, attrs, options = compile_spec(launch)
-        kernel = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
-                                target=GPUTarget("cuda", 90, 32), options=options)
+        kernel, (fn, _, constexprs, _, options) = compile_for_sm90(launch)
     except Exception as e:  # noqa: BLE001 - every compiler error is a finding
         return f"{name}: {type(e).__name__}: {str(e)[:2000]}", None
     used = local_memory_use(kernel.asm["ptx"]) if local_memory else None
