@@ -236,7 +236,7 @@ def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, 
     n_ok = n < N
     st = s[:, None] * T + t[None, :]  # [SP, T_PAD]: each split's partials of each token
     st_ok = (s < SPLIT)[:, None] & (t < T)[None, :]
-    r = 1.0 / tl.sqrt_rn(tl.sum(tl.load(sq_ptr + st, mask=st_ok, other=0.0), axis=0) * inv_k + norm_eps)
+    r = _rms_factor(tl.sum(tl.load(sq_ptr + st, mask=st_ok, other=0.0), axis=0), inv_k, norm_eps)
     mixes = tl.load(dots_ptr + st[:, :, None] * MP + n[None, None, :], mask=st_ok[:, :, None] & n_ok[None, None, :],
                     other=0.0)
     mix = tl.sum(mixes, axis=0) * r[:, None]  # [T_PAD, NP]
@@ -253,37 +253,44 @@ def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, 
 
 
 @triton.jit
-def post_and_comb(dots_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, r, iters, hc_eps,
-                  N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
+def post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, inv_k, norm_eps, iters,
+                  hc_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
     """Token ``t``'s ``post [N]`` and ``comb [N, N]`` (softmax, then ``iters`` Sinkhorn steps) from
-    its splits' summed mixes scaled by ``r``, stored to ``post_ptr`` / ``comb_ptr``."""
+    its splits' summed mixes scaled by the streams' RMS factor, stored to ``post_ptr`` /
+    ``comb_ptr``. Every partial is loaded up front, so the chain before the Sinkhorn steps waits
+    for memory once."""
     s = tl.arange(0, SP)
     s_ok = s < SPLIT
     n = tl.arange(0, NP)
     n_ok = n < N
     rows = (s * T + t) * MP  # [SP]: each split's partials of this token
-    post_mix = _summed_mixes(dots_ptr, rows, N, n, s_ok, n_ok) * r
-    post = 2 * tl.sigmoid(post_mix * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
-    tl.store(post_ptr + t * N + n, post, mask=n_ok)
-    i, j = n[:, None], n[None, :]
-    ij_ok = (i < N) & (j < N)
-    ij = 2 * N + i * N + j
-    comb_mix = tl.sum(tl.load(dots_ptr + rows[:, None, None] + ij[None, :, :],
-                              mask=s_ok[:, None, None] & ij_ok[None, :, :], other=0.0), axis=0) * r
-    # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
-    logits = tl.where(ij_ok, comb_mix * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=ij_ok, other=0.0),
-                      -3.0e38)
-    e = tl.exp(logits - tl.max(logits, axis=1, keep_dims=True))
-    tl.store(comb_ptr + t * (N * N) + i * N + j, e / tl.sum(e, axis=1, keep_dims=True) + hc_eps, mask=ij_ok)
-    # The Sinkhorn steps run on the softmax reloaded through offsets of their own, the tile
-    # of _sinkhorn_kernel (3.5 µs a matrix on the H200): run in the layout of the
-    # partials' sum (one of its slices), this kernel took 19 µs a call.
-    tl.debug_barrier()
+    sq = tl.load(sq_ptr + s * T + t, mask=s_ok, other=0.0)
+    post_mix = _summed_mixes(dots_ptr, rows, N, n, s_ok, n_ok)
+    # comb's mixes summed in the Sinkhorn tile's own layout (a [1, NP, NP] load per split): the
+    # steps reduce over its rows and columns with shuffles alone. Summed as one [SP, NP, NP] load
+    # instead, the tile comes out in a layout of that sum and the kernel took 19 µs a call.
     row, col = n[None, :, None], n[None, None, :]
     tile_ok = (row < N) & (col < N)
-    tile = comb_ptr + t * (N * N) + row * N + col
-    comb = _sinkhorn_tile(tl.load(tile, mask=tile_ok, other=0.0), iters, hc_eps, tile_ok)
-    tl.store(tile, comb, mask=tile_ok)
+    ij = 2 * N + row * N + col
+    comb_mix = tl.zeros([1, NP, NP], tl.float32)
+    for i in tl.static_range(SP):
+        comb_mix += tl.load(dots_ptr + (i * T + t) * MP + ij, mask=tile_ok & (i < SPLIT), other=0.0)
+    r = _rms_factor(tl.sum(sq, axis=0), inv_k, norm_eps)
+    post = 2 * tl.sigmoid(post_mix * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
+    tl.store(post_ptr + t * N + n, post, mask=n_ok)
+    # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
+    logits = tl.where(tile_ok, comb_mix * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=tile_ok, other=0.0),
+                      -3.0e38)
+    e = tl.exp(logits - tl.max(logits, axis=2, keep_dims=True))
+    softmax = tl.where(tile_ok, e / tl.sum(e, axis=2, keep_dims=True) + hc_eps, 0.0)  # padding 0, as the steps need
+    comb = _sinkhorn_tile(softmax, iters, hc_eps, tile_ok)
+    tl.store(comb_ptr + t * (N * N) + row * N + col, comb, mask=tile_ok)
+
+
+@triton.jit
+def _rms_factor(sum_sq, inv_k, norm_eps):
+    """The streams' RMS norm factor ``1 / sqrt(mean + eps)`` from their summed squares."""
+    return 1.0 / tl.sqrt_rn(sum_sq * inv_k + norm_eps)
 
 
 @triton.jit
@@ -302,14 +309,13 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     part = tl.program_id(1)
-    pre, r, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k, hc_eps,
-                                     norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
-    if not HEAD:
-        if part == 0:
-            post_and_comb(dots_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, tl.sum(r, axis=0), iters,
-                          hc_eps, N, NP, MP, SP)
     d_part = part if HEAD else part - 1
-    if d_part >= 0:
+    if d_part < 0:
+        post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, inv_k, norm_eps, iters,
+                      hc_eps, N, NP, MP, SP)
+    else:
+        pre, _, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
+                                         hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
         n = tl.arange(0, NP)
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D

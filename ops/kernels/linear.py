@@ -323,10 +323,8 @@ def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr
         dependent_launch(PREFETCH_K > 0)
         if COLLAPSE > 0 and tl.program_id(1) == 0:
             t = pid - tiles
-            _, r, _ = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, t, M, K, hc_split, hc_inv_k,
-                                       hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP, 1, False)
-            post_and_comb(hc_dots, hc_base, hc_scale, hc_post, hc_comb, t, M, hc_split, tl.sum(r, axis=0), hc_iters,
-                          hc_eps, COLLAPSE, HC_NP, HC_MP, HC_SP)
+            post_and_comb(hc_dots, hc_sq, hc_base, hc_scale, hc_post, hc_comb, t, M, hc_split, hc_inv_k, hc_norm_eps,
+                          hc_iters, hc_eps, COLLAPSE, HC_NP, HC_MP, HC_SP)
 
 
 class Collapse(NamedTuple):
