@@ -20,6 +20,7 @@ from tests.gpu.test_model_gpu import _tiny_config
 from tests.support.compile_checks import fresh_compile_state
 
 pytestmark = pytest.mark.gpu
+DEVICE = "cuda"
 
 # pass -> its matches in the 4-layer model's step: the shared-input linears (4 layers' normed hidden
 # states + the 2 CSA layers' query latents; the MoE's router is alone, its shared expert running in
@@ -33,61 +34,78 @@ MATCHES = [(FuseSharedInputLinearsPass, 6), (FuseNormRopePass, 8), (FuseKeyStore
 EXACT = (FuseEntryStorePass,)
 
 
-def _decode_step_compiled(pass_lists: dict[str, list]) -> tuple[dict, dict]:
-    """The 4-layer model's decode step (two requests) compiled with each of ``pass_lists`` in turn,
-    from the same cache: ``(logits, cache buffers written)`` by name."""
-    backend = enable(random_hf_model(_tiny_config(), seed=0, device="cuda"), max_requests=2, max_seq_len=512)
-    rows = [backend.allocator.admit(), backend.allocator.admit()]
-    prompt = StepInputs.make(ForwardMode.EXTEND, rows, [40, 30], [40, 30],
-                             torch.cat([backend.allocator.extend(r, n) for r, n in zip(rows, (40, 30))]), device="cuda")
-    ids = torch.randint(0, 512, (70,), device="cuda")
-    backend(ids, prompt, torch.tensor([39, 69], device="cuda"))
-    decode = StepInputs.make(ForwardMode.DECODE, rows, [41, 31], [1, 1],
-                             torch.cat([backend.allocator.extend(r, 1) for r in rows]), device="cuda")
-    tokens, logit_rows = ids[:2], torch.arange(2, device="cuda")
-    outs, written = {}, {}
-    for name, chosen in pass_lists.items():
-        saved = [t.clone() for t in backend.cache.buffers()]
+class DecodeCase:
+    """The 4-layer model's decode step (two requests) after their prompts, set up once: ``run``
+    compiles it with a pass list and runs it from the cache as the prompts left it (restored
+    after). The defaults' run is made once for every test (``defaults``, ``default_matches``): each
+    model compile takes tens of seconds."""
+
+    def __init__(self, device: str = DEVICE):
+        self.backend = enable(random_hf_model(_tiny_config(), seed=0, device=device), max_requests=2,
+                              max_seq_len=512)
+        allocator = self.backend.allocator
+        rows = [allocator.admit(), allocator.admit()]
+        prompt = StepInputs.make(ForwardMode.EXTEND, rows, [40, 30], [40, 30],
+                                 torch.cat([allocator.extend(r, n) for r, n in zip(rows, (40, 30))]), device=device)
+        ids = torch.randint(0, 512, (70,), device=device)
+        self.backend(ids, prompt, torch.tensor([39, 69], device=device))
+        self.decode = StepInputs.make(ForwardMode.DECODE, rows, [41, 31], [1, 1],
+                                      torch.cat([allocator.extend(r, 1) for r in rows]), device=device)
+        self.tokens, self.logit_rows = ids[:2], torch.arange(2, device=device)
+        self.saved = [t.clone() for t in self.backend.cache.buffers()]
+        passes = default_passes()
+        self.defaults = self.run(passes)
+        self.default_matches = {type(p): p.matched_count for p in passes}
+
+    def run(self, passes: list) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """``(logits fp32, the cache buffers after the step)`` of the step compiled with ``passes``."""
         with fresh_compile_state():
-            outs[name] = compile_step(backend, passes=DSV4PassManager(chosen))(tokens, decode, logit_rows).float()
-        written[name] = [t.clone() for t in backend.cache.buffers()]
-        for t, s in zip(backend.cache.buffers(), saved):
+            logits = compile_step(self.backend, passes=DSV4PassManager(passes))(self.tokens, self.decode,
+                                                                                self.logit_rows).float()
+        written = [t.clone() for t in self.backend.cache.buffers()]
+        for t, s in zip(self.backend.cache.buffers(), self.saved):
             t.copy_(s)
-    return outs, written
+        return logits, written
+
+
+@pytest.fixture(scope="module")
+def case() -> DecodeCase:
+    with torch.no_grad():
+        return DecodeCase()
+
+
+def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within bf16 rounding of the largest logit: the fused ops round and sum in other orders."""
+    torch.testing.assert_close(got, want, atol=0.05 * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("pass_type, matches", MATCHES, ids=[t.__name__ for t, _ in MATCHES])
 @torch.no_grad()
-def test_compiled_model_step_with_and_without(pass_type, matches):
-    fused = default_passes()
-    tested = [p for p in fused if isinstance(p, pass_type)]
-    assert len(tested) == 1
-    outs, written = _decode_step_compiled({"fused": fused, "unfused": [p for p in fused if p not in tested]})
-    assert tested[0].matched_count == matches
-    scale = outs["unfused"].abs().max().item()
-    torch.testing.assert_close(outs["fused"], outs["unfused"], atol=0.05 * scale, rtol=0)
+def test_compiled_model_step_with_and_without(case, pass_type, matches):
+    assert case.default_matches[pass_type] == matches
+    logits, written = case.run([p for p in default_passes() if not isinstance(p, pass_type)])
+    _assert_logits_close(case.defaults[0], logits)
     if pass_type in EXACT:
-        assert all(torch.equal(f, u) for f, u in zip(written["fused"], written["unfused"]))
+        assert all(torch.equal(f, u) for f, u in zip(case.defaults[1], written))
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @torch.no_grad()
-def test_query_latent_norm_folded():
+def test_query_latent_norm_folded(case):
     """``FuseSharedInputLinearsPass(fold_input_norm=True)``: each layer's query latent norm folds
     into its q_b products (8 calls: 2 more, the sliding and HCA layers' lone q_b), the logits
     within bf16 rounding of the defaults'."""
     folded = passes_configured(FuseSharedInputLinearsPass, fold_input_norm=True)
     fold = next(p for p in folded if isinstance(p, FuseSharedInputLinearsPass))
-    outs, _ = _decode_step_compiled({"folded": folded, "defaults": default_passes()})
+    logits, _ = case.run(folded)
     assert fold.matched_count == 8
-    scale = outs["defaults"].abs().max().item()
-    torch.testing.assert_close(outs["folded"], outs["defaults"], atol=0.05 * scale, rtol=0)
+    _assert_logits_close(logits, case.defaults[0])
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @torch.no_grad()
-def test_collapses_made_by_their_products_launch():
+def test_collapses_made_by_their_products_launch(case):
     """``FuseCollapseLinearsPass`` after the defaults: the first layer's hc_pre and the three
     hc_post_pre before an attention block fuse with the projections of their collapse; on the MoE
     side the collapse goes to ``dsv4::moe_experts`` (a hash layer) or to a learned router's lone
@@ -96,7 +114,6 @@ def test_collapses_made_by_their_products_launch():
     launches (the fused launches are checked at the Flash width in ``test_hyper_connection_gpu.py``);
     the logits within bf16 rounding of the defaults'."""
     collapse = FuseCollapseLinearsPass()
-    outs, written = _decode_step_compiled({"collapse": [*default_passes(), collapse], "defaults": default_passes()})
+    logits, _ = case.run([*default_passes(), collapse])
     assert collapse.matched_count == 4
-    scale = outs["defaults"].abs().max().item()
-    torch.testing.assert_close(outs["collapse"], outs["defaults"], atol=0.05 * scale, rtol=0)
+    _assert_logits_close(logits, case.defaults[0])
