@@ -54,11 +54,12 @@ SHALLOW_K_CONFIG = (64, 128, 4, 4)
 # through cuBLAS at one row (bench_ops.py --only linears; docs/perf-log.md).
 WIDE_ROWS = 65536
 WIDE_CONFIG = (64, 128, 4, 4)
-# The grouped o_a_proj (8 groups of 1024 x 4096, 256 programs of 32 rows): at few rows the loop
-# stages nothing through shared memory (the build is the same on any number of stages), so the K
-# block sets the weight bytes each step has in flight (32 KiB a program at 512). On an H100 at one
-# row 24.0 µs against 28.2 with 32 x 256 on 4 stages and 24.9 with 16 x 256 (docs/perf-log.md); on
-# the H200 32 x 256 on 4 stages took 18.6 against DEEP_K_CONFIG's 20.4 (an earlier tree).
+# The grouped o_a_proj (8 groups of 1024 x 4096, 256 programs of 32 rows): the loop stages its
+# loads through shared memory (cp.async) in num_stages - 1 buffers, so 32 x 512 on 3 stages keeps
+# 64 KiB of weights in flight a program (two programs an SM) where 32 x 256 on 4 keeps 48 KiB. On
+# an H100 at one row 24.0 µs against 28.2 with 32 x 256 on 4 stages and 24.9 with 16 x 256
+# (docs/perf-log.md); on the H200 32 x 256 on 4 stages took 18.6 against DEEP_K_CONFIG's 20.4 (an
+# earlier tree).
 GROUPED_CONFIG = (32, 512, 4, 3)
 # A group of few rows at K >= DEEP_K (the sliding layer's q_a + kv: 1,536 rows, 48 programs of 32;
 # a MoE layer's router alone: 8 rows, one program) leaves most SMs idle while each program streams

@@ -14,6 +14,9 @@ What it covers: the variants the interpreter suite runs, with the constexprs the
 there. Where a launcher picks by ``INTERPRET`` or by the device (software fp8 conversion, fp32
 dots, PDL off) the GPU's own choice is not compiled, and kernels the interpreter never launches
 (the warp-specialised attention kernel) are not either; those are compiled by the GPU tests.
+The scalars are the suite's small shapes (K = 72, say, where the model has 4,096), so what depends
+on them (whether a loop is software-pipelined, register pressure, spills) can differ from the
+model's build: for those questions, compile the launch with the model's scalars in place.
 
     TRITON_INTERPRET=1 DSV4_RECORD_KERNEL_LAUNCHES=launches.json pytest tests/interpret
     python -m tests.support.kernel_launches launches.json     # prints failures, exits 1 on any
