@@ -83,6 +83,7 @@ def _assert_logits_close(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("pass_type, matches", MATCHES, ids=[t.__name__ for t, _ in MATCHES])
 @torch.no_grad()
 def test_compiled_model_step_with_and_without(case, pass_type, matches):
+    assert sum(isinstance(p, pass_type) for p in default_passes()) == 1
     assert case.default_matches[pass_type] == matches
     logits, written = case.run([p for p in default_passes() if not isinstance(p, pass_type)])
     _assert_logits_close(case.defaults[0], logits)
