@@ -96,6 +96,9 @@ orders or in separate processes):
                    launch, the hc op's finishing launch gone); not in the default ``--ways``
     compiled_step_graphs_collapse_q_norm_folded  both of the two ways above; not in the default
                    ``--ways``
+    compiled_step_graphs_q_norm_folded_no_prefetch  the folded norm, every ``dsv4::linears`` launch
+                   without PDL and its weight prefetch (to compare with
+                   ``compiled_step_graphs_no_prefetch``); not in the default ``--ways``
 
 Measured:
     prefill    one step over ``b`` whole prompts of ``--prompt-len`` tokens (``--prefill-batches``),
@@ -181,7 +184,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
         "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
         "compiled_step_graphs_q_norm_folded", "compiled_step_graphs_collapse_linears",
-        "compiled_step_graphs_collapse_q_norm_folded")
+        "compiled_step_graphs_collapse_q_norm_folded",
+        "compiled_step_graphs_q_norm_folded_no_prefetch")
 DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
@@ -623,6 +627,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_collapse_q_norm_folded":
         (None, _with_passes(lambda: [*_linears_pass(fold_input_norm=True)(), FuseCollapseLinearsPass()],
                             cuda_graphs="step")),
+    "compiled_step_graphs_q_norm_folded_no_prefetch":
+        (lambda: weight_prefetch(False), _with_passes(_linears_pass(fold_input_norm=True), cuda_graphs="step")),
     "compiled_step_graphs_router_topk":
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),
