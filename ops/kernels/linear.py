@@ -89,9 +89,10 @@ _LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch reque
 MANY_ROWS_DEEP_K_CONFIG = (32, 256, 4, 4)
 MANY_ROWS_SHALLOW_K_CONFIG = (64, 256, 4, 3)
 MANY_ROWS_GROUPED_CONFIG = (64, 256, 4, 3)
-# Up to 16 rows with a folded norm at K < DEEP_K (the query latent's products): one stage. With
-# more, Triton's pipeliner stages the norm weight's K block through shared memory and the loop
-# waits and syncs on it each step. On an H100 at one row: a lone q_b 25.9 µs against 44.9 with
+# Up to 16 rows with a folded norm at K < DEEP_K (the query latent's products): one stage, no
+# loads staged through shared memory. Staged on SHALLOW_K_CONFIG's 4 stages, the folded loop syncs
+# the block 9 times in the kernel where the plain one does 6 (sm_90 build at the model's shapes)
+# and ran far slower. On an H100 at one row: a lone q_b 25.9 µs against 44.9 with
 # SHALLOW_K_CONFIG (plain 25.2), a CSA layer's q_b + indexer q_b 34.2 against 47.3 (plain 30.6;
 # docs/perf-log.md).
 NORMED_SHALLOW_K_CONFIG = (64, 256, 4, 1)
