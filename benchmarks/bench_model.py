@@ -64,14 +64,14 @@ orders or in separate processes):
                    product run by its gate, a launch of its own, instead of inside
                    ``dsv4::moe_experts`` (``hf_experts.HASH_ROUTER_IN_OP`` off); not in the default
                    ``--ways``
-    compiled_step_graphs_normalise_after_sum  whole-step graphs with each MoE layer dividing its
-                   weighted sum by the sum of the routing scores instead of each weight
-                   (``hf_experts.NORMALISE_AFTER_SUM`` on); not in the default ``--ways``
-    compiled_step_graphs_router_op  whole-step graphs with each learned router run as
-                   ``dsv4::router_topk`` (``hf_experts.LEARNED_ROUTER_OP`` on), not as transformers'
-                   gate; not in the default ``--ways``
-    compiled_step_graphs_switches_on  whole-step graphs with the two switches above on at once
-                   (normalising after the sum, the learned-router op); not in the default ``--ways``
+    compiled_step_graphs_weights_then_sum  whole-step graphs with each MoE layer dividing each
+                   routing weight by the sum of the scores before the weighted sum, as transformers
+                   does (``hf_experts.NORMALISE_AFTER_SUM`` off); not in the default ``--ways``
+    compiled_step_graphs_router_gate  whole-step graphs with each learned router run as
+                   transformers' gate (``hf_experts.LEARNED_ROUTER_OP`` off), not as
+                   ``dsv4::router_topk``; not in the default ``--ways``
+    compiled_step_graphs_switches_off  whole-step graphs with the two switches above off at once;
+                   not in the default ``--ways``
     compiled_step_graphs_norm_apart  whole-step graphs with each block's input norm and the final norm
                    run as the norm module on the output of the mHC op of its collapse, not inside that op
                    (``hf_hyper_connection.NORM_IN_OP`` off); not in the default ``--ways``
@@ -179,8 +179,8 @@ WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIA
         "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
-        "compiled_step_graphs_normalise_after_sum", "compiled_step_graphs_router_op",
-        "compiled_step_graphs_switches_on",
+        "compiled_step_graphs_weights_then_sum", "compiled_step_graphs_router_gate",
+        "compiled_step_graphs_switches_off",
         "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
         "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
         "compiled_step_graphs_q_norm_folded", "compiled_step_graphs_collapse_linears",
@@ -635,10 +635,10 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_no_split_k": (lambda: linears_split_k(0), _step_graphs),
     "compiled_step_graphs_moe_apart": (lambda: moe_in_op(False), _step_graphs),
     "compiled_step_graphs_hash_router_apart": (lambda: hash_router_in_op(False), _step_graphs),
-    "compiled_step_graphs_normalise_after_sum": (lambda: normalise_after_sum(True), _step_graphs),
-    "compiled_step_graphs_router_op": (lambda: learned_router_op(True), _step_graphs),
-    "compiled_step_graphs_switches_on": (lambda: _entered(normalise_after_sum(True), learned_router_op(True)),
-                                         _step_graphs),
+    "compiled_step_graphs_weights_then_sum": (lambda: normalise_after_sum(False), _step_graphs),
+    "compiled_step_graphs_router_gate": (lambda: learned_router_op(False), _step_graphs),
+    "compiled_step_graphs_switches_off": (lambda: _entered(normalise_after_sum(False), learned_router_op(False)),
+                                          _step_graphs),
     "compiled_step_graphs_norm_apart": (lambda: norm_in_hc_op(False), _step_graphs),
     "compiled_step_graphs_entry_store_apart": (None, _with_passes(_without(FuseEntryStorePass), cuda_graphs="step")),
     "compiled_step_graphs_rotation_apart":

@@ -33,11 +33,13 @@ MOE_IN_OP = True
 HASH_ROUTER_IN_OP = True
 # True: a MoE layer divides its weighted sum by the sum of the routing scores instead of each
 # weight, in fp32 (as a compiled step computes transformers' form; eager, transformers rounds each
-# weight to bf16: see _routed_sum); benchmarks compare the two
-NORMALISE_AFTER_SUM = False
-# True: a learned router (sqrt-softplus scores) runs as dsv4::router_topk instead of as transformers'
-# gate (its product, a scoring kernel, aten.topk); benchmarks compare the two
-LEARNED_ROUTER_OP = False
+# weight to bf16: see _routed_sum). False: transformers' form. The weights' kernel of each layer
+# is then gone: with LEARNED_ROUTER_OP, 15 µs less GPU time a b = 1 step of the benchmark model on
+# an H100 (docs/perf-log.md)
+NORMALISE_AFTER_SUM = True
+# True: a learned router (sqrt-softplus scores) runs as dsv4::router_topk, its product, scoring and
+# choice in two launches. False: as transformers' gate (a split-K product, a scoring kernel, aten.topk)
+LEARNED_ROUTER_OP = True
 
 
 def register() -> None:
