@@ -52,6 +52,8 @@ orders or in separate processes):
     compiled_step_graphs_no_prefetch  whole-step graphs with the projections (``dsv4::linears``,
                    ``dsv4::grouped_linear``) launched without PDL and their weight prefetch; not in
                    the default ``--ways``
+    compiled_step_graphs_experts_no_prefetch  whole-step graphs with the routed experts' two
+                   launches without PDL and their weight prefetch; not in the default ``--ways``
     compiled_step_graphs_all_lone_linears  whole-step graphs with every lone product (``q_b_proj``
                    and the shared expert's ``down_proj`` too, K of 1024 / 2048) through
                    ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``
@@ -149,10 +151,10 @@ from dsv4_compile.fx_passes.pass_manager import default_passes
 from dsv4_compile.model import ModelBackend, enable
 from dsv4_compile.sampling import greedy_tokens
 from dsv4_compile.step import ForwardMode, StepInputs
-from dsv4_compile.testing.bench import (compiled_ratios, hash_router_in_op, hbm_tbps_argument, header,
-                                        host_us_per_call, learned_router_op, linears_split_k, moe_in_op, norm_in_hc_op,
-                                        normalise_after_sum, passes_configured, passes_without, posted_max_tokens,
-                                        profile_steps, wall_call, weight_prefetch)
+from dsv4_compile.testing.bench import (compiled_ratios, expert_weight_prefetch, hash_router_in_op, hbm_tbps_argument,
+                                        header, host_us_per_call, learned_router_op, linears_split_k, moe_in_op,
+                                        norm_in_hc_op, normalise_after_sum, passes_configured, passes_without,
+                                        posted_max_tokens, profile_steps, wall_call, weight_prefetch)
 from dsv4_compile.testing.random_model import random_hf_model
 
 
@@ -176,7 +178,8 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
 WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
         "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_combo",
         "compiled_step_graphs_hc_post_apart",
-        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_all_lone_linears",
+        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_experts_no_prefetch",
+        "compiled_step_graphs_all_lone_linears",
         "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
         "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
         "compiled_step_graphs_weights_then_sum", "compiled_step_graphs_router_gate",
@@ -632,6 +635,7 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
     "compiled_step_graphs_router_topk":
         (None, _with_passes(lambda: [*default_passes(), ReplaceShortTopkPass()], cuda_graphs="step")),
     "compiled_step_graphs_no_prefetch": (lambda: weight_prefetch(False), _step_graphs),
+    "compiled_step_graphs_experts_no_prefetch": (lambda: expert_weight_prefetch(False), _step_graphs),
     "compiled_step_graphs_no_split_k": (lambda: linears_split_k(0), _step_graphs),
     "compiled_step_graphs_moe_apart": (lambda: moe_in_op(False), _step_graphs),
     "compiled_step_graphs_hash_router_apart": (lambda: hash_router_in_op(False), _step_graphs),

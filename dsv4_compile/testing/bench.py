@@ -18,7 +18,8 @@ Wall time (:func:`wall_call`): a call's wall seconds with the device work it que
 Host time (:func:`host_us_per_call`): the host's own time per call of a step, with the GPU kept
 busy so that no call waits for it.
 
-Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`linears_split_k`,
+Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`expert_weight_prefetch`,
+:func:`linears_split_k`,
 :func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
 :func:`learned_router_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 Pass lists (:func:`passes_without`, :func:`passes_configured`): the default passes less one, or
@@ -303,6 +304,14 @@ def weight_prefetch(enabled: bool):
     from ..ops.kernels import linear
 
     return _kernel_setting(linear, "WEIGHT_PREFETCH", enabled)
+
+
+def expert_weight_prefetch(enabled: bool):
+    """While entered, the routed experts' two launches use PDL and their weight prefetch
+    (``ops.kernels.experts.WEIGHT_PREFETCH``) or not."""
+    from ..ops.kernels import experts
+
+    return _kernel_setting(experts, "WEIGHT_PREFETCH", enabled)
 
 
 def linears_max_rows(rows: int):

@@ -19,6 +19,15 @@ launches do the whole layer, with no sort:
 in the first, the router's logits (``BLOCK_N`` of its weight's rows a program), so their weights
 stream beside the routed experts' instead of in launches of their own.
 
+On sm_90+ both launches use programmatic dependent launch (:data:`WEIGHT_PREFETCH`): a program
+starts while the kernel before it still runs, asks the L2 for the first bytes of the weight rows
+it already knows it will read, then waits for that kernel's output; so the first DRAM round trips
+overlap the kernel before, as the projections' launches do (``linear.py``). The gate/up kernel
+knows the shared expert's and the router's rows, and a hash-routed layer's experts (its table and
+the token ids are final before the kernel before it runs; a learned router's choice is that
+kernel's output); the down kernel knows all of its rows, since the gate/up kernel lets it launch
+only past its own wait.
+
 ``_topk_indices_kernel`` (``dsv4::topk_indices``, the router's choice of experts): one program per
 row holds the row's scores as order-preserving integer keys and takes the largest ``k`` times, the
 lowest column among equal keys each time. ``dsv4::router_topk`` (a learned router whole) is
@@ -41,8 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import num_sms
-from .primitives import DOT_MIN_ROWS, TileConfig, unsigned_key
+from .host import has_pdl, num_sms, prefetch_columns
+from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_rows_l2, unsigned_key
 
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
 # GEMM, which the grouped path does better. Every program holds all slots as its tile's rows.
@@ -108,21 +117,39 @@ def _products(a_rows, a_ok, w1_rows, w2_rows, w1_ok, w2_ok, K, S_PAD: tl.constex
 def _gate_up_kernel(x_ptr, ids_ptr, tok_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_ptr, router_ptr, logits_ptr, T, S, E,
                     V, TOPK, H, I, IS, E_R, limit, stride_x, stride_we, stride_wn, stride_h,
                     S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
-                    ROUTER: tl.constexpr, HASH: tl.constexpr):
+                    ROUTER: tl.constexpr, HASH: tl.constexpr, PREFETCH_K: tl.constexpr):
     """``h[s, n-tile] = swiglu(x[s // TOPK] @ gate_up[e, {n-tile, I + n-tile}].T)`` for the slots of
     program ``i``'s expert ``e``. ``SHARED``: the next row of programs is the shared expert,
     ``hs[t, n-tile] = swiglu(x[t] @ {sg, su}[n-tile].T)`` for every token (``sg``, ``su [IS, H]``).
     ``ROUTER``: the last row computes the router's logits, ``logits[t, n-tile] = x[t] @
     router[n-tile].T`` (``router [E_R, H]``, ``logits [T, E_R]`` of ``h``'s dtype). The three kinds of
-    rows share one K loop (one set of pipeline buffers, which three loops would exceed)."""
+    rows share one K loop (one set of pipeline buffers, which three loops would exceed).
+    ``PREFETCH_K > 0``: launched with PDL; before waiting for the kernel before it (whose output is
+    x, and without ``HASH`` the slots' ids) a program asks the L2 for the first ``PREFETCH_K``
+    columns of the weight rows it knows it will read: the shared expert's, the router's, and with
+    ``HASH`` its routed expert's (the table and the token ids are final before that kernel runs)."""
     row = tl.program_id(0)
     dtype = h_ptr.dtype.element_ty
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
-    tokens = slots
-    t_ok = tokens < T
     is_router = ROUTER and row == tl.num_programs(0) - 1
     is_shared = SHARED and row == tl.num_programs(0) - 1 - ROUTER
+    if HASH:
+        slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
+    if PREFETCH_K > 0:
+        if is_router:
+            prefetch_rows_l2(router_ptr + cols.to(tl.int64)[:, None] * H, cols < E_R, router_ptr, 0, H, PREFETCH_K)
+        elif is_shared:
+            prefetch_rows_l2(sg_ptr + cols.to(tl.int64)[:, None] * H, cols < IS, sg_ptr, 0, H, PREFETCH_K)
+            prefetch_rows_l2(su_ptr + cols.to(tl.int64)[:, None] * H, cols < IS, su_ptr, 0, H, PREFETCH_K)
+        elif HASH:
+            w_gate = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+            prefetch_rows_l2(w_gate, served & (cols < I), w_ptr, 0, H, PREFETCH_K)
+            prefetch_rows_l2(w_gate + I * stride_wn, served & (cols < I), w_ptr, 0, H, PREFETCH_K)
+    dependent_launch(PREFETCH_K > 0)
+    if not HASH:
+        slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
+    tokens = slots
+    t_ok = tokens < T
     if is_router:
         # one product: the second weight's rows are all masked off, so it is not read
         a_rows, a_ok, col_ok, w2_ok, k = tokens, t_ok, cols < E_R, cols < 0, H
@@ -156,16 +183,21 @@ def _gate_up_kernel(x_ptr, ids_ptr, tok_ptr, w_ptr, h_ptr, sg_ptr, su_ptr, hs_pt
 def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_ptr, T, S, E, V, TOPK, H, I, IS,
                  stride_h, stride_we, stride_wn, stride_out,
                  S_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SHARED: tl.constexpr,
-                 HASH: tl.constexpr):
+                 HASH: tl.constexpr, PREFETCH_K: tl.constexpr):
     """``out[s, n-tile] = h[s] @ down[e, n-tile].T`` for the slots of expert ``e``; the ``i = 0``
     programs also write zeros for slots whose id is outside ``[0, E)``. ``SHARED``: the last row of
-    programs is the shared expert, ``out_s[t, n-tile] = hs[t] @ sd[n-tile].T`` (``sd [H, IS]``)."""
+    programs is the shared expert, ``out_s[t, n-tile] = hs[t] @ sd[n-tile].T`` (``sd [H, IS]``).
+    ``PREFETCH_K > 0``: launched with PDL after the gate/up kernel (launched so too, which lets it
+    launch once past its own wait: the slots' ids are final by then); a program asks the L2 for
+    the first ``PREFETCH_K`` columns of its weight rows, then waits for the hidden activations."""
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < H
     if SHARED and tl.program_id(0) == tl.num_programs(0) - 1:
         tokens = tl.arange(0, S_PAD)
         t_ok = tokens < T
         w_rows = sd_ptr + cols.to(tl.int64)[:, None] * IS
+        prefetch_rows_l2(w_rows, col_ok, sd_ptr, 0, IS, PREFETCH_K)
+        dependent_launch(PREFETCH_K > 0)
         acc, _ = _products(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, w_rows, w_rows, col_ok, col_ok, IS,
                            S_PAD, BLOCK_N, BLOCK_K, False)
         tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
@@ -173,6 +205,8 @@ def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_
     else:
         slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
         w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
+        prefetch_rows_l2(w_rows, served & col_ok, w_ptr, 0, I, PREFETCH_K)
+        dependent_launch(PREFETCH_K > 0)
         acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok, col_ok,
                            tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K, False)
         unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
@@ -188,6 +222,11 @@ def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_
 FEW_EXPERTS = 2
 FEW_EXPERTS_CONFIGS = ((64, 256, 4, 3), (64, 256, 4, 3))
 MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
+# Both kernels launched with PDL, each program first asking the L2 for this many bytes of each
+# weight it knows it will read (module docstring). False: launched without PDL or prefetch
+# (benchmarks compare the two).
+PREFETCH_BYTES = 32768
+WEIGHT_PREFETCH = True
 
 
 def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
@@ -246,17 +285,21 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
         bn, bk, warps, stages = gate_up_config
         columns = max(inter, shared_inter, logits.shape[1])
         hashed = token_ids is not None
+        pdl = WEIGHT_PREFETCH and has_pdl(x.device)
+        prefetch_k = prefetch_columns(hidden, bn, x.element_size(), PREFETCH_BYTES) if pdl else 0
         _gate_up_kernel[(rows + (router is not None), triton.cdiv(columns, bn))](
             x, ids, tokens, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits,
             t, s, num_experts, vocab, topk, hidden, inter, shared_inter, logits.shape[1], float(limit), x.stride(0),
             gate_up.stride(0), gate_up.stride(1), h.stride(0), S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk,
-            SHARED=shared is not None, ROUTER=router is not None, HASH=hashed, num_warps=warps, num_stages=stages)
+            SHARED=shared is not None, ROUTER=router is not None, HASH=hashed, PREFETCH_K=prefetch_k,
+            num_warps=warps, num_stages=stages, launch_pdl=pdl)
         bn, bk, warps, stages = down_config
+        prefetch_k = prefetch_columns(max(inter, shared_inter), bn, x.element_size(), PREFETCH_BYTES) if pdl else 0
         _down_kernel[(rows, triton.cdiv(hidden, bn))](
             h, ids, tokens, down, out, shared_h, shared_down, shared_out, t, s, num_experts, vocab, topk, hidden,
             inter, shared_inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
-            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, HASH=hashed, num_warps=warps,
-            num_stages=stages)
+            S_PAD=s_pad, BLOCK_N=bn, BLOCK_K=bk, SHARED=shared is not None, HASH=hashed, PREFETCH_K=prefetch_k,
+            num_warps=warps, num_stages=stages, launch_pdl=pdl)
     return out, shared_out, logits
 
 

@@ -6,6 +6,7 @@ import functools
 import os
 
 import torch
+import triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 _INTERPRETER_SMS = 132  # the interpreter pretends to be an H200, so split paths are exercised
@@ -29,3 +30,10 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefetch_columns(k: int, block_n: int, itemsize: int, budget_bytes: int) -> int:
+    """Leading columns of its ``block_n`` weight rows (``k`` columns each) a program asks the L2
+    for before its PDL wait: ``budget_bytes`` worth, a power of two, at least one 128-byte line of
+    2-byte weights (the ``PREFETCH_K`` of ``primitives.prefetch_rows_l2``)."""
+    return max(64, min(triton.next_power_of_2(k), budget_bytes // (block_n * itemsize)))

@@ -36,9 +36,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .host import has_pdl, num_sms
+from .host import has_pdl, num_sms, prefetch_columns
 from .hyper_connection import Partials, collapse_weights, post_and_comb
-from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_l2
+from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_rows_l2
 
 MAX_ROWS = 64  # rows of x up to which the kernels run (padded to 16, 32 or 64: rows_pad); more are a GEMM
 MAX_WEIGHTS = 8
@@ -74,7 +74,6 @@ SPLIT_K_CONFIG = (64, 128, 4, 4)
 # WEIGHT_PREFETCH False: launched without PDL or prefetch (benchmarks compare the two).
 PREFETCH_BYTES = 32768
 WEIGHT_PREFETCH = True
-_LINE = tl.constexpr(64)  # 2-byte weights per 128-byte line: one prefetch request each
 
 
 # Above 16 rows of x (a b = 17..64 decode step, a verify step's draft rows) each program reads x's
@@ -161,7 +160,7 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
     """Leading K columns of its weight rows a program prefetches under PDL (0: no PDL launch)."""
     if not (WEIGHT_PREFETCH and has_pdl(device)):
         return 0
-    return max(_LINE.value, min(triton.next_power_of_2(k), PREFETCH_BYTES // (block_n * itemsize)))
+    return prefetch_columns(k, block_n, itemsize, PREFETCH_BYTES)
 
 
 @triton.jit
@@ -169,9 +168,7 @@ def _prefetch_then_wait(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.cons
     """``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns
     from ``k_start`` are requested into the L2 (masked lanes ask for ``w_first``, the weight's first
     element), then the program waits for its predecessor and triggers its dependents."""
-    if PREFETCH_K > 0:
-        lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
-        prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
+    prefetch_rows_l2(w_rows, row_ok, w_first, k_start, K, PREFETCH_K)
     dependent_launch(PREFETCH_K > 0)
 
 

@@ -47,6 +47,19 @@ def prefetch_l2(ptrs, mask, fallback):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
+_LINE = tl.constexpr(64)  # 2-byte elements per 128-byte line: one prefetch request each
+
+
+@triton.jit
+def prefetch_rows_l2(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.constexpr):
+    """Ask the L2 for the lines of columns ``[k_start, k_start + PREFETCH_K)`` (``< K``) of the
+    2-byte weight rows ``w_rows [BLOCK_N, 1]`` where ``row_ok``; masked lanes ask for ``w_first``
+    (the weight's first element). Nothing when ``PREFETCH_K`` is 0."""
+    if PREFETCH_K > 0:
+        lines = k_start + tl.arange(0, PREFETCH_K // _LINE) * _LINE
+        prefetch_l2(w_rows + lines[None, :], row_ok[:, None] & (lines < K)[None, :], w_first)
+
+
 @triton.jit
 def dependent_launch(PDL: tl.constexpr):
     """For a kernel launched with programmatic dependent launch (``PDL``): wait until the kernel

@@ -4,6 +4,8 @@ the benchmark model's widths; the ``"dsv4"`` experts implementation against tran
 ``grouped_mm`` on one MoE module and the composed MoE block against the block, eager and compiled
 with ``fullgraph=True``."""
 
+import copy
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -158,21 +160,30 @@ def test_router_topk_op_equals_the_reference(tokens, num_experts, k):
 @pytest.mark.parametrize("normalise_after_sum", [False, True])
 @torch.no_grad()
 def test_moe_forward_equals_the_block(layer_idx, tokens, normalise_after_sum, monkeypatch):
-    """With ``NORMALISE_AFTER_SUM`` the routing weights stay fp32, where the block rounds each to
-    bf16 (2**-8 of a slot's term at most): where a token's slots cancel, an output element can be
-    far from the block's relative to itself, so only the bound at the output's scale holds."""
+    """Transformers' form of the weights: the block's output to a bf16 step. With
+    ``NORMALISE_AFTER_SUM`` the weights stay fp32 where the block rounds each to bf16 (2**-8 of a
+    slot's term), which where a token's slots cancel moves an element far from the block's relative
+    to itself: against the block run in fp64 it then errs about as much as the bf16 block does (on
+    an H100: 0.80-1.0 times its error over these six cases). The learned router runs as the block's
+    gate (its op may break a near tie otherwise: the next test)."""
     monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", normalise_after_sum)
+    monkeypatch.setattr(hf_experts, "LEARNED_ROUTER_OP", False)
     block = _moe_block(layer_idx)
     x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
     input_ids = torch.randint(0, block.experts.config.vocab_size, (1, tokens), device="cuda")
     assert hf_experts.runs_moe_experts_op(block, x)
     got = hf_experts.moe_forward(block, x, input_ids)
     assert got.shape == x.shape and got.dtype == x.dtype
-    want = block(x, input_ids=input_ids).float()
-    if normalise_after_sum:
-        torch.testing.assert_close(got.float(), want, atol=2 ** -7 * want.abs().max().item(), rtol=0)
-    else:
+    want = block(x, input_ids=input_ids)
+    if not normalise_after_sum:
         assert_bf16_close(got, want)
+        return
+    exact_block = copy.deepcopy(block).double()
+    exact_block.experts.config._experts_implementation = "eager"  # transformers' loop: fp64 as it is
+    exact = exact_block(x.double(), input_ids=input_ids)
+    own_error = (want.double() - exact).abs().max().item()
+    error = (got.double() - exact).abs().max().item()
+    assert error <= 1.25 * own_error
 
 
 @pytest.mark.parametrize("tokens", [8, 16, 40])  # the router's kernels, then cuBLAS + topk_indices
@@ -182,6 +193,7 @@ def test_moe_forward_with_the_router_op_equals_the_block(tokens, monkeypatch):
     experts it chose as transformers' bf16 gate did (its fp32 scores may break a tie of the gate's
     bf16 scores either way), at least half of them."""
     monkeypatch.setattr(hf_experts, "LEARNED_ROUTER_OP", True)
+    monkeypatch.setattr(hf_experts, "NORMALISE_AFTER_SUM", False)
     block = _moe_block(1)
     x = torch.randn(1, tokens, 1024, device="cuda").bfloat16()
     input_ids = torch.zeros(1, tokens, dtype=torch.long, device="cuda")
