@@ -52,8 +52,9 @@ orders or in separate processes):
     compiled_step_graphs_no_prefetch  whole-step graphs with the projections (``dsv4::linears``,
                    ``dsv4::grouped_linear``) launched without PDL and their weight prefetch; not in
                    the default ``--ways``
-    compiled_step_graphs_experts_no_prefetch  whole-step graphs with the routed experts' two
-                   launches without PDL and their weight prefetch; not in the default ``--ways``
+    compiled_step_graphs_experts_no_prefetch  whole-step graphs with the routed experts' and the
+                   learned router's launches without PDL and their weight prefetch; not in the
+                   default ``--ways``
     compiled_step_graphs_all_lone_linears  whole-step graphs with every lone product (``q_b_proj``
                    and the shared expert's ``down_proj`` too, K of 1024 / 2048) through
                    ``dsv4::linears`` and its weight prefetch, not cuBLAS; not in the default ``--ways``

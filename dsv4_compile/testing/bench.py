@@ -307,8 +307,8 @@ def weight_prefetch(enabled: bool):
 
 
 def expert_weight_prefetch(enabled: bool):
-    """While entered, the routed experts' two launches use PDL and their weight prefetch
-    (``ops.kernels.experts.WEIGHT_PREFETCH``) or not."""
+    """While entered, the routed experts' and the learned router's launches use PDL and their
+    weight prefetch (``ops.kernels.experts.WEIGHT_PREFETCH``) or not."""
     from ..ops.kernels import experts
 
     return _kernel_setting(experts, "WEIGHT_PREFETCH", enabled)

@@ -26,7 +26,9 @@ overlap the kernel before, as the projections' launches do (``linear.py``). The 
 knows the shared expert's and the router's rows, and a hash-routed layer's experts (its table and
 the token ids are final before the kernel before it runs; a learned router's choice is that
 kernel's output); the down kernel knows all of its rows, since the gate/up kernel lets it launch
-only past its own wait.
+only past its own wait. ``router_topk``'s two launches chain the same way: the product's programs
+prefetch their span of the router's weight, and the selecting kernel lets the experts' launch
+start once the partials are in.
 
 ``_topk_indices_kernel`` (``dsv4::topk_indices``, the router's choice of experts): one program per
 row holds the row's scores as order-preserving integer keys and takes the largest ``k`` times, the
@@ -222,9 +224,9 @@ def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_
 FEW_EXPERTS = 2
 FEW_EXPERTS_CONFIGS = ((64, 256, 4, 3), (64, 256, 4, 3))
 MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
-# Both kernels launched with PDL, each program first asking the L2 for this many bytes of each
-# weight it knows it will read (module docstring). False: launched without PDL or prefetch
-# (benchmarks compare the two).
+# The experts' and the learned router's kernels launched with PDL, each program first asking the L2
+# for this many bytes of each weight it knows it will read (module docstring). False: launched
+# without PDL or prefetch (benchmarks compare the two).
 PREFETCH_BYTES = 32768
 WEIGHT_PREFETCH = True
 
@@ -356,14 +358,19 @@ def _softplus(x):
 
 @triton.jit
 def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_per_split,
-                           T_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
+                           T_PAD: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr,
+                           PREFETCH_K: tl.constexpr):
     """Program ``(i, s)``: ``part[s, t, i-tile] = x[t, k-span] @ w[i-tile, k-span].T`` fp32 over
-    split ``s``'s columns ``[s * k_per_split, +k_per_split)`` of H, for every token ``t``."""
+    split ``s``'s columns ``[s * k_per_split, +k_per_split)`` of H, for every token ``t``.
+    ``PREFETCH_K > 0``: launched with PDL, it asks the L2 for its span's first ``PREFETCH_K``
+    columns before it waits for x."""
     experts = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
     tokens = tl.arange(0, T_PAD)
     k0 = tl.program_id(1) * k_per_split
-    w_rows = w_ptr + experts.to(tl.int64)[:, None] * H + k0
     e_ok = experts < E
+    prefetch_rows_l2(w_ptr + experts.to(tl.int64)[:, None] * H, e_ok, w_ptr, k0, H, PREFETCH_K)
+    dependent_launch(PREFETCH_K > 0)
+    w_rows = w_ptr + experts.to(tl.int64)[:, None] * H + k0
     acc, _ = _products(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + k0, tokens < T, w_rows, w_rows, e_ok, e_ok,
                        tl.minimum(k_per_split, H - k0), T_PAD, BLOCK_E, BLOCK_K, False)
     tl.store(part_ptr + (tl.program_id(1) * T + tokens)[:, None] * E + experts[None, :], acc,
@@ -372,10 +379,13 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_per_spli
 
 @triton.jit
 def _router_topk_kernel(part_ptr, bias_ptr, logits_ptr, out_ptr, T, E, splits, K: tl.constexpr, EP: tl.constexpr,
-                        SPLITS_POW2: tl.constexpr):
+                        SPLITS_POW2: tl.constexpr, PDL: tl.constexpr):
     """Token ``pid``: its logits, the partials of every split summed (all loaded at once: one memory
     round trip, not one per split) and rounded to ``logits``' dtype, stored; then the ``K`` largest
-    of ``sqrt(softplus(logit)) + bias`` into ``out [T, K]``, descending."""
+    of ``sqrt(softplus(logit)) + bias`` into ``out [T, K]``, descending. ``PDL``: launched early,
+    it waits here for the partials, then lets the experts' launch start (which prefetches the
+    shared expert's weights meanwhile)."""
+    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EP)
     live = cols < E
@@ -415,10 +425,14 @@ def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         k_per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, num_sms(x.device) // e_blocks))) * block_k
         splits = max(1, triton.cdiv(hidden, k_per_split))
         part = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
+        pdl = WEIGHT_PREFETCH and has_pdl(x.device)
+        prefetch_k = prefetch_columns(k_per_split, block_e, x.element_size(), PREFETCH_BYTES) if pdl else 0
         _router_partial_kernel[(e_blocks, splits)](x, weight, part, t, num_experts, hidden, x.stride(0), k_per_split,
                                                    T_PAD=DOT_MIN_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
-                                                   num_warps=warps, num_stages=stages)
+                                                   PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,
+                                                   launch_pdl=pdl)
         ep, splits_pow2 = triton.next_power_of_2(num_experts), triton.next_power_of_2(splits)
         _router_topk_kernel[(t,)](part, bias.contiguous(), logits, indices, t, num_experts, splits, K=k, EP=ep,
-                                  SPLITS_POW2=splits_pow2, num_warps=max(1, min(4, splits_pow2 * ep // 1024)))
+                                  SPLITS_POW2=splits_pow2, PDL=pdl, num_warps=max(1, min(4, splits_pow2 * ep // 1024)),
+                                  launch_pdl=pdl)
     return indices, logits

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ...config import HEAD_DIM, NOPE_DIM
 from .norm_rope import rotated
-from .primitives import DIM, finish_rows, row_lse2
+from .primitives import DIM, dependent_launch, finish_rows, row_lse2
 
 _COMBINE_TILE_ELEMS = 4096  # [S, cols] fp32 tile of one program: <= 32 registers per thread
 _MIN_COLS = 16
@@ -78,11 +78,12 @@ def _combine_kernel(part_out, part_lse, sink, out, lse, pos_ptr, freq_ptr, num_h
     """Grid ``(T * H, 512 / COLS)``: merge the S partial ``(out / l, lse2)`` of one (row, head) over
     ``COLS`` output columns, apply the sink and write out [T, H, 512] bf16 (and lse [T, H] fp32,
     natural log, from the first column block). All splits are loaded at once: one memory round
-    trip, not one per split. PDL: launched early; waits here for the main grid's partials. ROPE:
-    the columns from ``NOPE`` on are rotated back in pairs by ``pos[row] * freq`` (``freq
-    [(512 - NOPE) / 2]``) before the store; a pair never straddles two column blocks."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
+    trip, not one per split. PDL: launched early; waits here for the main grid's partials, then
+    lets the kernel after it launch (the attention output's product, which prefetches its weights
+    meanwhile). ROPE: the columns from ``NOPE`` on are rotated back in pairs by ``pos[row] *
+    freq`` (``freq [(512 - NOPE) / 2]``) before the store; a pair never straddles two column
+    blocks."""
+    dependent_launch(PDL)
     row_head = tl.program_id(0).to(tl.int64)
     head = row_head % num_heads
     first = partial_index(row_head // num_heads, 0, num_splits, num_heads, head)  # split 0 of (row, head)
