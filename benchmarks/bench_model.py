@@ -176,21 +176,6 @@ PASS_VARIANTS = {"compiled_unfused_linears": _without(FuseSharedInputLinearsPass
                  "compiled_lone_linears_cublas": _linears_pass(lone_min_k=None),
                  "compiled_unfused_norm_rope": _without(FuseNormRopePass),
                  "compiled_unfused_key_store": _without(FuseKeyStorePass)}
-WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *PASS_VARIANTS, "compiled_lean",
-        "compiled_step_graphs", "compiled_step_graphs_pdl", "compiled_step_graphs_combo",
-        "compiled_step_graphs_hc_post_apart",
-        "compiled_step_graphs_no_prefetch", "compiled_step_graphs_experts_no_prefetch",
-        "compiled_step_graphs_all_lone_linears",
-        "compiled_step_graphs_router_topk", "compiled_step_graphs_no_split_k",
-        "compiled_step_graphs_moe_apart", "compiled_step_graphs_hash_router_apart",
-        "compiled_step_graphs_weights_then_sum", "compiled_step_graphs_router_gate",
-        "compiled_step_graphs_switches_off",
-        "compiled_step_graphs_norm_apart", "compiled_step_graphs_entry_store_apart",
-        "compiled_step_graphs_rotation_apart", "compiled_step_graphs_side_stream",
-        "compiled_step_graphs_q_norm_folded", "compiled_step_graphs_collapse_linears",
-        "compiled_step_graphs_collapse_q_norm_folded",
-        "compiled_step_graphs_q_norm_folded_no_prefetch")
-DEFAULT_WAYS = WAYS[:3]
 LAYER_TYPES = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
 # The released Flash config's compressed-branch RoPE (the main branch has no scaling).
 FLASH_YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536,
@@ -652,6 +637,8 @@ STEP_WAYS: dict[str, tuple[Callable | None, Callable]] = {
         (None, _with_passes(lambda: [*default_passes(), OverlapCacheWritesPass()], cuda_graphs="step")),
     **{way: (None, _with_passes(variant)) for way, variant in PASS_VARIANTS.items()},
 }
+WAYS = ("hf_eager", "backend_eager", "compiled", "compiled_grouped", *STEP_WAYS)
+DEFAULT_WAYS = WAYS[:3]
 
 
 def measure_way(backend: ModelBackend, way: str, args, results: dict) -> None:
