@@ -67,6 +67,8 @@ def _prepare_q_kernel(q_ptr, wts_ptr, pos_ptr, inv_freq_ptr, qo_ptr, wo_ptr, wei
     base = q_ptr + row * stride_qt + h[:, None] * stride_qh
     ev = tl.load(base + 2 * k[None, :], mask=hm, other=0.0).to(tl.float32)
     od = tl.load(base + 2 * k[None, :] + 1, mask=hm, other=0.0).to(tl.float32)
+    # loaded with q: after the stores below the load could not be moved above them (they may alias)
+    wts = tl.load(wts_ptr + row * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
     # RoPE: pairs k >= 32 (dims 64..127), angle float32(pos) * inv_freq[k - 32]
     f = k - (HALF - 32)
     is_rope = (f >= 0)[None, :]
@@ -85,7 +87,6 @@ def _prepare_q_kernel(q_ptr, wts_ptr, pos_ptr, inv_freq_ptr, qo_ptr, wo_ptr, wei
     out = qo_ptr + row * stride_ot + h[:, None] * stride_oh
     tl.store(out + 2 * k[None, :], q_ev, mask=hm)
     tl.store(out + 2 * k[None, :] + 1, q_od, mask=hm)
-    wts = tl.load(wts_ptr + row * stride_wt + h, mask=h < H, other=0.0).to(tl.float32)
     tl.store(wo_ptr + row * stride_wot + h, wts * tl.cast(weight_scale, tl.float32) * sigma, mask=h < H)
 
 

@@ -215,6 +215,7 @@ def _step_metadata_kernel(
     blk = tl.program_id(1)
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
     q = q.to(tl.int64)
+    loc = tl.load(out_cache_loc_ptr + q)  # block 0's, before any store (no load moves above one)
     i = blk * BLOCK + tl.arange(0, BLOCK)
     page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE).to(tl.int32)
     tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
@@ -224,7 +225,6 @@ def _step_metadata_kernel(
     if blk == 0:
         _store_expanded(q, req, seq, start, end, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr,
                         extend_end_ptr, positions_ptr)
-        loc = tl.load(out_cache_loc_ptr + q)
         _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
                  full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)
         c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(req, seq, loc, R, topk)

@@ -55,11 +55,11 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, 
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     nope = D - 2 * HALF
-    tl.store(out_row + cols, _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, dtype), mask=cols < nope)
-
     even = nope + 2 * tl.arange(0, HALF)
     y0, y1 = _rotated_pairs(x_row, w_ptr, even, scale, tl.load(pos_ptr + row // rows_per_token), freq_ptr, HALF,
                             HAS_WEIGHT, ROUND_SCALE, dtype)
+    # every load before the first store, which no later load could be moved above (they may alias)
+    tl.store(out_row + cols, _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, dtype), mask=cols < nope)
     tl.store(out_row + even, y0)
     tl.store(out_row + even + 1, y1)
 
