@@ -385,16 +385,16 @@ def _router_topk_kernel(part_ptr, bias_ptr, logits_ptr, out_ptr, T, E, splits, K
     of ``sqrt(softplus(logit)) + bias`` into ``out [T, K]``, descending. ``PDL``: launched early,
     it waits here for the partials, then lets the experts' launch start (which prefetches the
     shared expert's weights meanwhile)."""
-    dependent_launch(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, EP)
     live = cols < E
+    bias = tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)  # a parameter: before the wait
+    dependent_launch(PDL)
     split = tl.arange(0, SPLITS_POW2)
     parts = tl.load(part_ptr + ((split * T + row) * E)[:, None] + cols[None, :],
                     mask=(split < splits)[:, None] & live[None, :], other=0.0)
     logit = tl.sum(parts, axis=0).to(logits_ptr.dtype.element_ty)
     tl.store(logits_ptr + row * E + cols, logit, mask=live)
-    bias = tl.load(bias_ptr + cols, mask=live, other=0.0).to(tl.float32)
     _store_topk(tl.sqrt(_softplus(logit.to(tl.float32))) + bias, live, cols, out_ptr + row * K, K, EP)
 
 

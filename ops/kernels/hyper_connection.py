@@ -277,10 +277,11 @@ def post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, 
         comb_mix += tl.load(dots_ptr + (i * T + t) * MP + ij, mask=tile_ok & (i < SPLIT), other=0.0)
     r = _rms_factor(tl.sum(sq, axis=0), inv_k, norm_eps)
     post = 2 * tl.sigmoid(post_mix * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
-    tl.store(post_ptr + t * N + n, post, mask=n_ok)
     # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
     logits = tl.where(tile_ok, comb_mix * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=tile_ok, other=0.0),
                       -3.0e38)
+    # post is stored after these loads: a load after a store is issued only once the store is
+    tl.store(post_ptr + t * N + n, post, mask=n_ok)
     e = tl.exp(logits - tl.max(logits, axis=2, keep_dims=True))
     softmax = tl.where(tile_ok, e / tl.sum(e, axis=2, keep_dims=True) + hc_eps, 0.0)  # padding 0, as the steps need
     comb = _sinkhorn_tile(softmax, iters, hc_eps, tile_ok)

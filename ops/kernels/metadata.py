@@ -94,10 +94,10 @@ def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_tok
     full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl,
                    mask=known & (p >= 0) & (p < L), other=-1).to(tl.int64)
     swa = tl.load(full_to_swa_ptr + full * stride_f, mask=(full >= 0) & (full < n_swa), other=-1)
-    tl.store(indices_ptr + q * W + tl.arange(0, W), swa.to(tl.int32))
-    tl.store(lengths_ptr + q, tl.minimum(seq, W).to(tl.int32))
     loc = loc.to(tl.int64)
     loc_swa = tl.load(full_to_swa_ptr + loc * stride_f, mask=known & (loc >= 0) & (loc < n_swa), other=-1)
+    tl.store(indices_ptr + q * W + tl.arange(0, W), swa.to(tl.int32))
+    tl.store(lengths_ptr + q, tl.minimum(seq, W).to(tl.int32))
     tl.store(out_loc_ptr + q, loc_swa.to(tl.int32))
 
 

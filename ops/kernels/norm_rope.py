@@ -102,7 +102,7 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D: tl.conste
     x_row, out_row = x_ptr + row * D, out_ptr + row * D
     nope = D - 2 * HALF
     cols = tl.arange(0, BLOCK_NOPE)
-    tl.store(out_row + cols, tl.load(x_row + cols, mask=cols < nope), mask=cols < nope)
+    kept = tl.load(x_row + cols, mask=cols < nope)
     pair = tl.arange(0, BLOCK_HALF)
     in_half = pair < HALF
     even = nope + 2 * pair
@@ -110,6 +110,7 @@ def _rope_kernel(x_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, D: tl.conste
     y1 = tl.load(x_row + even + 1, mask=in_half, other=0.0).to(tl.float32)
     freq = tl.load(freq_ptr + pair, mask=in_half, other=0.0)
     r0, r1 = rotated(y0, y1, tl.load(pos_ptr + row // rows_per_token), freq, INVERSE, out_ptr.dtype.element_ty)
+    tl.store(out_row + cols, kept, mask=cols < nope)  # stores last: no load is issued after one
     tl.store(out_row + even, r0, mask=in_half)
     tl.store(out_row + even + 1, r1, mask=in_half)
 
