@@ -85,20 +85,28 @@ def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE:
 
 
 @triton.jit
-def _swa_row(q, req, seq, loc, indices_ptr, lengths_ptr, out_loc_ptr, req_to_token_ptr,
-             full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W: tl.constexpr):
-    """Window slots of row q, newest first, its length and write slot; -1 for positions outside
-    ``[0, L)``, a request row outside ``[0, R)`` and full slots outside ``[0, n_swa)``."""
+def _swa_window(req, seq, loc, req_to_token_ptr, full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa,
+                active, W: tl.constexpr):
+    """Of a row (``active``; nothing is read otherwise): ``(swa [W], loc_swa)``, its window's slots,
+    newest first, and its write slot; -1 for positions outside ``[0, L)``, a request row outside
+    ``[0, R)`` and full slots outside ``[0, n_swa)``. Only loads: a kernel reads the window before
+    it stores anything, so the window's two round trips overlap its other loads."""
     p = (seq - 1).to(tl.int64) - tl.arange(0, W)
-    known = _known(req, R)
+    known = _known(req, R) & active
     full = tl.load(req_to_token_ptr + req.to(tl.int64) * stride_rr + p * stride_rl,
                    mask=known & (p >= 0) & (p < L), other=-1).to(tl.int64)
     swa = tl.load(full_to_swa_ptr + full * stride_f, mask=(full >= 0) & (full < n_swa), other=-1)
     loc = loc.to(tl.int64)
     loc_swa = tl.load(full_to_swa_ptr + loc * stride_f, mask=known & (loc >= 0) & (loc < n_swa), other=-1)
-    tl.store(indices_ptr + q * W + tl.arange(0, W), swa.to(tl.int32))
+    return swa.to(tl.int32), loc_swa.to(tl.int32)
+
+
+@triton.jit
+def _store_swa_row(q, seq, swa, loc_swa, indices_ptr, lengths_ptr, out_loc_ptr, W: tl.constexpr):
+    """Row q's window (:func:`_swa_window`), its length and its write slot stored."""
+    tl.store(indices_ptr + q * W + tl.arange(0, W), swa)
     tl.store(lengths_ptr + q, tl.minimum(seq, W).to(tl.int32))
-    tl.store(out_loc_ptr + q, loc_swa.to(tl.int32))
+    tl.store(out_loc_ptr + q, loc_swa)
 
 
 @triton.jit
@@ -162,9 +170,10 @@ def _page_table_kernel(req_to_page_ptr, req_of_row_ptr, seq_ptr, page_table_ptr,
 def _swa_kernel(req_to_token_ptr, full_to_swa_ptr, req_of_row_ptr, seq_ptr, out_cache_loc_ptr, swa_indices_ptr,
                 swa_lengths_ptr, swa_out_loc_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W: tl.constexpr):
     q = tl.program_id(0).to(tl.int64)
-    _swa_row(q, tl.load(req_of_row_ptr + q), tl.load(seq_ptr + q), tl.load(out_cache_loc_ptr + q),
-             swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr, full_to_swa_ptr, stride_rr,
-             stride_rl, stride_f, R, L, n_swa, W)
+    seq = tl.load(seq_ptr + q)
+    swa, loc_swa = _swa_window(tl.load(req_of_row_ptr + q), seq, tl.load(out_cache_loc_ptr + q), req_to_token_ptr,
+                               full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, True, W)
+    _store_swa_row(q, seq, swa, loc_swa, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, W)
 
 
 @triton.jit
@@ -215,7 +224,10 @@ def _step_metadata_kernel(
     blk = tl.program_id(1)
     req, seq, start, end = _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B)
     q = q.to(tl.int64)
-    loc = tl.load(out_cache_loc_ptr + q)  # block 0's, before any store (no load moves above one)
+    # every load before the first store (no load is moved above a store): block 0's window too
+    loc = tl.load(out_cache_loc_ptr + q)
+    swa, loc_swa = _swa_window(req, seq, loc, req_to_token_ptr, full_to_swa_ptr, stride_rr, stride_rl, stride_f, R,
+                               L, n_swa, blk == 0, W)
     i = blk * BLOCK + tl.arange(0, BLOCK)
     page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE).to(tl.int32)
     tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
@@ -225,8 +237,7 @@ def _step_metadata_kernel(
     if blk == 0:
         _store_expanded(q, req, seq, start, end, req_of_row_ptr, seq_lens_causal_ptr, extend_start_ptr,
                         extend_end_ptr, positions_ptr)
-        _swa_row(q, req, seq, loc, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, req_to_token_ptr,
-                 full_to_swa_ptr, stride_rr, stride_rl, stride_f, R, L, n_swa, W)
+        _store_swa_row(q, seq, swa, loc_swa, swa_indices_ptr, swa_lengths_ptr, swa_out_loc_ptr, W)
         c4_out_loc, c4_visible, c4_topk_lengths = _c4_fields(req, seq, loc, R, topk)
         tl.store(c4_out_loc_ptr + q, c4_out_loc)
         tl.store(c4_visible_ptr + q, c4_visible)
