@@ -236,17 +236,23 @@ def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, 
     n_ok = n < N
     st = s[:, None] * T + t[None, :]  # [SP, T_PAD]: each split's partials of each token
     st_ok = (s < SPLIT)[:, None] & (t < T)[None, :]
-    r = _rms_factor(tl.sum(tl.load(sq_ptr + st, mask=st_ok, other=0.0), axis=0), inv_k, norm_eps)
+    # every load before the first sqrt_rn / div_rn, whose slow-path branch ends the block of
+    # instructions the compiler would issue the loads from: one wait on memory, not three
+    sq = tl.load(sq_ptr + st, mask=st_ok, other=0.0)
     mixes = tl.load(dots_ptr + st[:, :, None] * MP + n[None, None, :], mask=st_ok[:, :, None] & n_ok[None, None, :],
                     other=0.0)
-    mix = tl.sum(mixes, axis=0) * r[:, None]  # [T_PAD, NP]
-    pre = tl.sigmoid(mix * tl.load(scale_ptr) + tl.load(base_ptr + n, mask=n_ok, other=0.0)[None, :]) + hc_eps
-    pre = tl.where(n_ok[None, :], pre, 0.0)
-    r_out = tl.full((T_PAD,), 1.0, tl.float32)
+    scale = tl.load(scale_ptr)
+    base = tl.load(base_ptr + n, mask=n_ok, other=0.0)
     if NORM:
         ij = n[:, None] * NP + n[None, :]
         gram = tl.sum(tl.load(gram_ptr + st[:, :, None, None] * (NP * NP) + ij[None, None, :, :],
                               mask=st_ok[:, :, None, None], other=0.0), axis=0)  # [T_PAD, NP, NP], padding 0
+    r = _rms_factor(tl.sum(sq, axis=0), inv_k, norm_eps)
+    mix = tl.sum(mixes, axis=0) * r[:, None]  # [T_PAD, NP]
+    pre = tl.sigmoid(mix * scale + base[None, :]) + hc_eps
+    pre = tl.where(n_ok[None, :], pre, 0.0)
+    r_out = tl.full((T_PAD,), 1.0, tl.float32)
+    if NORM:
         total = tl.maximum(tl.sum(tl.sum(gram * pre[:, :, None] * pre[:, None, :], axis=2), axis=1), 0.0)
         r_out = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + out_norm_eps))
     return pre, r, r_out
@@ -257,8 +263,8 @@ def post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, 
                   hc_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr):
     """Token ``t``'s ``post [N]`` and ``comb [N, N]`` (softmax, then ``iters`` Sinkhorn steps) from
     its splits' summed mixes scaled by the streams' RMS factor, stored to ``post_ptr`` /
-    ``comb_ptr``. Every partial is loaded up front, so the chain before the Sinkhorn steps waits
-    for memory once."""
+    ``comb_ptr``. Every partial and parameter is loaded up front, so the chain before the Sinkhorn
+    steps waits for memory once."""
     s = tl.arange(0, SP)
     s_ok = s < SPLIT
     n = tl.arange(0, NP)
@@ -275,13 +281,15 @@ def post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, 
     comb_mix = tl.zeros([1, NP, NP], tl.float32)
     for i in tl.static_range(SP):
         comb_mix += tl.load(dots_ptr + (i * T + t) * MP + ij, mask=tile_ok & (i < SPLIT), other=0.0)
+    # the parameters too, before sqrt_rn's slow-path branch (loads after it would wait for it)
+    post_scale, comb_scale = tl.load(scale_ptr + 1), tl.load(scale_ptr + 2)
+    post_base = tl.load(base_ptr + N + n, mask=n_ok, other=0.0)
+    comb_base = tl.load(base_ptr + ij, mask=tile_ok, other=0.0)
     r = _rms_factor(tl.sum(sq, axis=0), inv_k, norm_eps)
-    post = 2 * tl.sigmoid(post_mix * r * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + n, mask=n_ok, other=0.0))
-    # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
-    logits = tl.where(tile_ok, comb_mix * r * tl.load(scale_ptr + 2) + tl.load(base_ptr + ij, mask=tile_ok, other=0.0),
-                      -3.0e38)
-    # post is stored after these loads: a load after a store is issued only once the store is
+    post = 2 * tl.sigmoid(post_mix * r * post_scale + post_base)
     tl.store(post_ptr + t * N + n, post, mask=n_ok)
+    # padding: a finite floor, so padding rows (all floor) stay finite; exp sends it to 0 elsewhere
+    logits = tl.where(tile_ok, comb_mix * r * comb_scale + comb_base, -3.0e38)
     e = tl.exp(logits - tl.max(logits, axis=2, keep_dims=True))
     softmax = tl.where(tile_ok, e / tl.sum(e, axis=2, keep_dims=True) + hc_eps, 0.0)  # padding 0, as the steps need
     comb = _sinkhorn_tile(softmax, iters, hc_eps, tile_ok)
@@ -315,15 +323,17 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         post_and_comb(dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, comb_ptr, t, T, SPLIT, inv_k, norm_eps, iters,
                       hc_eps, N, NP, MP, SP)
     else:
-        pre, _, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
-                                         hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
         n = tl.arange(0, NP)
         d = d_part * BLOCK_D + tl.arange(0, BLOCK_D)
         d_ok = d < D
+        # the streams and the norm's weight with the partials, before collapse_weights' divisions
         xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=(n < N)[:, None] & d_ok[None, :], other=0.0)
-        collapsed = tl.sum(tl.sum(pre, axis=0)[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
         if NORM:
             w = tl.load(norm_weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        pre, _, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
+                                         hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
+        collapsed = tl.sum(tl.sum(pre, axis=0)[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
+        if NORM:
             collapsed = (collapsed.to(tl.float32) * tl.sum(r_out, axis=0) * w).to(out_ptr.dtype.element_ty)
         tl.store(out_ptr + t * D + d, collapsed, mask=d_ok)
 
