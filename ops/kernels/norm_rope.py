@@ -49,36 +49,46 @@ def _norm_rope_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, out_ptr, rows_per_token, 
     row = tl.program_id(0).to(tl.int64)
     x_row, out_row = x_ptr + row * D, out_ptr + row * D
     cols = tl.arange(0, BLOCK_D)
+    nope = D - 2 * HALF
+    even = nope + 2 * tl.arange(0, HALF)
+    # every load first: the norm's reduction syncs the warps, and no load is issued across that
     x = tl.load(x_row + cols, mask=cols < D, other=0.0).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
     w = 0.0
     if HAS_WEIGHT:
         w = tl.load(w_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
-    nope = D - 2 * HALF
-    even = nope + 2 * tl.arange(0, HALF)
-    y0, y1 = _rotated_pairs(x_row, w_ptr, even, scale, tl.load(pos_ptr + row // rows_per_token), freq_ptr, HALF,
-                            HAS_WEIGHT, ROUND_SCALE, dtype)
-    # every load before the first store, which no later load could be moved above (they may alias)
+    pairs = _pair_values(x_row, w_ptr, even, HAS_WEIGHT)
+    pos = tl.load(pos_ptr + row // rows_per_token)
+    freq = tl.load(freq_ptr + tl.arange(0, HALF))
+    scale = tl.rsqrt(tl.sum(x * x, 0) / D + eps)
+    y0, y1 = _rotated_pairs(pairs, scale, pos, freq, HAS_WEIGHT, ROUND_SCALE, dtype)
     tl.store(out_row + cols, _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, dtype), mask=cols < nope)
     tl.store(out_row + even, y0)
     tl.store(out_row + even + 1, y1)
 
 
 @triton.jit
-def _rotated_pairs(x_row, w_ptr, even, scale, pos, freq_ptr, HALF: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-                   ROUND_SCALE: tl.constexpr, DTYPE: tl.constexpr):
-    """The RoPE pairs ``(even, even + 1)`` of a row (re-read from L1), normed by ``scale``,
-    rounded to ``DTYPE`` as the norm's output, rotated by ``pos * freq`` in fp32 and rounded again:
-    ``(first, second)`` of each pair, ``DTYPE``."""
+def _pair_values(x_row, w_ptr, even, HAS_WEIGHT: tl.constexpr):
+    """The RoPE pairs ``(even, even + 1)`` of a row and of the norm's weight (zeros without
+    ``HAS_WEIGHT``), fp32: ``(x0, x1, w0, w1)``. Loaded apart from the row's tile (whose layout
+    does not split into pairs); the lines are the tile's, so the loads cost no extra bytes."""
     x0 = tl.load(x_row + even).to(tl.float32)
     x1 = tl.load(x_row + even + 1).to(tl.float32)
     w0, w1 = 0.0, 0.0
     if HAS_WEIGHT:
         w0 = tl.load(w_ptr + even).to(tl.float32)
         w1 = tl.load(w_ptr + even + 1).to(tl.float32)
+    return x0, x1, w0, w1
+
+
+@triton.jit
+def _rotated_pairs(pairs, scale, pos, freq, HAS_WEIGHT: tl.constexpr, ROUND_SCALE: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """The pairs of :func:`_pair_values` normed by ``scale``, rounded to ``DTYPE`` as the norm's
+    output, rotated by ``pos * freq`` in fp32 and rounded again: ``(first, second)``, ``DTYPE``."""
+    x0, x1, w0, w1 = pairs
     y0 = _normed(x0, scale, w0, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
     y1 = _normed(x1, scale, w1, HAS_WEIGHT, ROUND_SCALE, DTYPE).to(tl.float32)
-    return rotated(y0, y1, pos, tl.load(freq_ptr + tl.arange(0, HALF)), False, DTYPE)
+    return rotated(y0, y1, pos, freq, False, DTYPE)
 
 
 @triton.jit
@@ -132,16 +142,20 @@ def _norm_rope_store_kernel(x_ptr, w_ptr, pos_ptr, freq_ptr, cache_ptr, slots_pt
     valid, data_ptr, scale_ptr = model1_slot_ptrs(cache_ptr, slots_ptr, row, capacity, stride_page, PAGE,
                                                   DATA_BYTES, SCALE_BYTES)
     col = model1_tiles(TILE)
+    pair = tl.arange(0, ROPE // 2)
+    # every load first: the norm's reduction and the quantisation sync the warps, and the
+    # quantisation's division has a slow-path branch; no load is issued across either
     x = tl.load(x_row + col).to(tl.float32)
-    scale = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (NOPE + ROPE) + eps)
     w = 0.0
     if HAS_WEIGHT:
         w = tl.load(w_ptr + col).to(tl.float32)
+    pairs = _pair_values(x_row, w_ptr, NOPE + 2 * pair, HAS_WEIGHT)
+    pos = tl.load(pos_ptr + row)
+    freq = tl.load(freq_ptr + pair)
+    scale = tl.rsqrt(tl.sum(tl.sum(x * x, 1), 0) / (NOPE + ROPE) + eps)
     normed = _normed(x, scale, w, HAS_WEIGHT, ROUND_SCALE, tl.bfloat16).to(tl.float32)
     store_model1_nope(data_ptr, scale_ptr, normed, valid, TILE, NUM_TILES, FP8_MAX, EPS, BIAS, SOFT_FP8)
-    pair = tl.arange(0, ROPE // 2)
-    y0, y1 = _rotated_pairs(x_row, w_ptr, NOPE + 2 * pair, scale, tl.load(pos_ptr + row), freq_ptr, ROPE // 2,
-                            HAS_WEIGHT, ROUND_SCALE, tl.bfloat16)
+    y0, y1 = _rotated_pairs(pairs, scale, pos, freq, HAS_WEIGHT, ROUND_SCALE, tl.bfloat16)
     rope = model1_rope_ptr(data_ptr, NOPE)
     tl.store(rope + 2 * pair, y0, mask=valid)
     tl.store(rope + 2 * pair + 1, y1, mask=valid)
