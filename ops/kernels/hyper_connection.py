@@ -144,15 +144,17 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
     j_ok = j < N
     tok = t[:, None, None].to(tl.int64)
     ok = t_ok[:, None, None] & (j_ok[:, None] & d_ok[None, :])[None, :, :]  # [BLOCK_T, j, d]
+    # the streams and the block's output first: the compiler converts post's layout (a warp
+    # barrier) as soon as post is loaded, and a load after that barrier waits for post's
+    offs = (tok * N + j[None, :, None]) * D + d[None, None, :]
+    streams = tl.load(streams_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_T, l, d]
+    block_out = tl.load(out_ptr + tok * D + d[None, None, :], mask=t_ok[:, None, None] & d_ok[None, None, :],
+                        other=0.0).to(tl.float32)  # [BLOCK_T, 1, d]
     post = tl.load(post_ptr + tok * N + j[None, :, None], mask=t_ok[:, None, None] & j_ok[None, :, None],
                    other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, j, 1]
     comb = tl.load(comb_ptr + tok * (N * N) + j[None, :, None] * N + j[None, None, :],
                    mask=t_ok[:, None, None] & j_ok[None, :, None] & j_ok[None, None, :],
                    other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, l, j]: comb[t, l, j]
-    offs = (tok * N + j[None, :, None]) * D + d[None, None, :]
-    streams = tl.load(streams_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_T, l, d]
-    block_out = tl.load(out_ptr + tok * D + d[None, None, :], mask=t_ok[:, None, None] & d_ok[None, None, :],
-                        other=0.0).to(tl.float32)  # [BLOCK_T, 1, d]
     mixed = tl.sum(comb[:, :, :, None] * streams[:, :, None, :], axis=1)  # [BLOCK_T, j, d]
     new = _rounded_mix(post * block_out, mixed, dt)
     tl.store(new_ptr + offs, new, mask=ok)
@@ -191,16 +193,17 @@ def _mix_partial_kernel(x_ptr, fn_ptr, dots_ptr, sq_ptr, post_ptr, comb_ptr, out
     for d0 in range(d_start, d_start + d_per_split, BLOCK_C):
         d = d0 + tl.arange(0, BLOCK_C)
         d_ok = d < D
+        # the weights first: loaded after the new streams' store they would wait for the mix
+        k_flat = (c // BLOCK_C) * D + d0 + c % BLOCK_C
+        k_ok = (c // BLOCK_C < N) & (d0 + c % BLOCK_C < D)
+        w = tl.load(fn_ptr + m[:, None] * K + k_flat[None, :], mask=m_ok[:, None] & k_ok[None, :],
+                    other=0.0).to(tl.float32)  # [MP, NP BLOCK_C]
         if POST:
             xv = _posted_streams(x_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, d, d_ok, D, N, NP)
         else:
             k = i[:, None] * D + d[None, :]  # [NP, BLOCK_C]: the columns of x
             xv = tl.load(x_ptr + rows + k[None, :, :], mask=t_ok[:, None, None] & (i_ok[:, None] & d_ok[None, :])[None],
                          other=0.0).to(tl.float32)  # [BLOCK_T, NP, BLOCK_C]
-        k_flat = (c // BLOCK_C) * D + d0 + c % BLOCK_C
-        k_ok = (c // BLOCK_C < N) & (d0 + c % BLOCK_C < D)
-        w = tl.load(fn_ptr + m[:, None] * K + k_flat[None, :], mask=m_ok[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)  # [MP, NP BLOCK_C]
         x_flat = tl.reshape(xv, [BLOCK_T, NP * BLOCK_C])
         acc += x_flat[:, None, :] * w[None, :, :]
         sq += x_flat * x_flat
