@@ -137,7 +137,14 @@ def _bucket_offsets(hist_ptr, r, num_sel, split, topk, NB: tl.constexpr):
 @triton.jit
 def _slot(pt_row, j, mask, num_pages, PAGE: tl.constexpr):
     """c4 slots of entries ``j`` (page table row ``pt_row``); -1 on pages outside ``[0, num_pages)``."""
-    page = tl.load(pt_row + j // PAGE, mask=mask, other=-1).to(tl.int64)
+    return _slot_on_page(tl.load(pt_row + j // PAGE, mask=mask, other=-1), j, num_pages, PAGE)
+
+
+@triton.jit
+def _slot_on_page(page, j, num_pages, PAGE: tl.constexpr):
+    """c4 slots of entries ``j`` whose page-table entries are ``page``: -1 on pages outside ``[0,
+    num_pages)``."""
+    page = page.to(tl.int64)
     return tl.where((page >= 0) & (page < num_pages), page * PAGE + j % PAGE, -1).to(tl.int32)
 
 
@@ -386,12 +393,15 @@ def _rank_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity,
     if n > topk:
         row = workspace_ptr + r.to(tl.int64) * stride_workspace
         j = tl.arange(0, CAP)
-        key_j = unsigned_key(tl.load(row + j, mask=j < n, other=0.0))[None, :]
+        # this block's entries and their pages first: the row's keys go through shared memory to
+        # their broadcast layout (a warp barrier), and a load after that barrier waits for them
         key_i = unsigned_key(tl.load(row + i, mask=i < n, other=0.0))[:, None]
+        page = tl.load(pt_row + i // PAGE, mask=i < n, other=-1)
+        key_j = unsigned_key(tl.load(row + j, mask=j < n, other=0.0))[None, :]
         ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
         rank = tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
         take = (i < n) & (rank < topk)
-        tl.store(out_row + rank, _slot(pt_row, i, take, num_pages, PAGE), mask=take)
+        tl.store(out_row + rank, _slot_on_page(page, i, num_pages, PAGE), mask=take)
     else:
         _store_in_order(pt_row, out_row, i, n, topk, num_pages, PAGE)
 
