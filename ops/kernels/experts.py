@@ -53,7 +53,7 @@ import triton
 import triton.language as tl
 
 from .host import has_pdl, num_sms, prefetch_columns
-from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_rows_l2, unsigned_key
+from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_rows_l2, prefetch_then_wait, unsigned_key
 
 # Slots (tokens x experts per token) up to which the kernels run; a larger step (prefill) is a
 # GEMM, which the grouped path does better. Every program holds all slots as its tile's rows.
@@ -198,8 +198,7 @@ def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_
         tokens = tl.arange(0, S_PAD)
         t_ok = tokens < T
         w_rows = sd_ptr + cols.to(tl.int64)[:, None] * IS
-        prefetch_rows_l2(w_rows, col_ok, sd_ptr, 0, IS, PREFETCH_K)
-        dependent_launch(PREFETCH_K > 0)
+        prefetch_then_wait(w_rows, col_ok, sd_ptr, 0, IS, PREFETCH_K)
         acc, _ = _products(hs_ptr + tokens.to(tl.int64)[:, None] * IS, t_ok, w_rows, w_rows, col_ok, col_ok, IS,
                            S_PAD, BLOCK_N, BLOCK_K, False)
         tl.store(out_s_ptr + tokens.to(tl.int64)[:, None] * H + cols[None, :], acc.to(out_s_ptr.dtype.element_ty),
@@ -207,8 +206,7 @@ def _down_kernel(h_ptr, ids_ptr, tok_ptr, w_ptr, out_ptr, hs_ptr, sd_ptr, out_s_
     else:
         slots, ids, e, served, hit = _slot_rows(ids_ptr, tok_ptr, S, E, V, TOPK, S_PAD, HASH)
         w_rows = w_ptr + e.to(tl.int64) * stride_we + cols.to(tl.int64)[:, None] * stride_wn
-        prefetch_rows_l2(w_rows, served & col_ok, w_ptr, 0, I, PREFETCH_K)
-        dependent_launch(PREFETCH_K > 0)
+        prefetch_then_wait(w_rows, served & col_ok, w_ptr, 0, I, PREFETCH_K)
         acc, _ = _products(h_ptr + slots.to(tl.int64)[:, None] * stride_h, hit, w_rows, w_rows, col_ok, col_ok,
                            tl.where(served, I, 0), S_PAD, BLOCK_N, BLOCK_K, False)
         unowned = (slots < S) & ((ids < 0) | (ids >= E)) & (tl.program_id(0) == 0)
@@ -225,9 +223,8 @@ FEW_EXPERTS = 2
 FEW_EXPERTS_CONFIGS = ((64, 256, 4, 3), (64, 256, 4, 3))
 MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
 # The experts' and the learned router's kernels launched with PDL, each program first asking the L2
-# for this many bytes of each weight it knows it will read (module docstring). False: launched
+# for the first bytes of each weight it knows it will read (module docstring). False: launched
 # without PDL or prefetch (benchmarks compare the two).
-PREFETCH_BYTES = 32768
 WEIGHT_PREFETCH = True
 
 
@@ -288,7 +285,7 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
         columns = max(inter, shared_inter, logits.shape[1])
         hashed = token_ids is not None
         pdl = WEIGHT_PREFETCH and has_pdl(x.device)
-        prefetch_k = prefetch_columns(hidden, bn, x.element_size(), PREFETCH_BYTES) if pdl else 0
+        prefetch_k = prefetch_columns(hidden, bn, x.element_size()) if pdl else 0
         _gate_up_kernel[(rows + (router is not None), triton.cdiv(columns, bn))](
             x, ids, tokens, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits,
             t, s, num_experts, vocab, topk, hidden, inter, shared_inter, logits.shape[1], float(limit), x.stride(0),
@@ -296,7 +293,7 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
             SHARED=shared is not None, ROUTER=router is not None, HASH=hashed, PREFETCH_K=prefetch_k,
             num_warps=warps, num_stages=stages, launch_pdl=pdl)
         bn, bk, warps, stages = down_config
-        prefetch_k = prefetch_columns(max(inter, shared_inter), bn, x.element_size(), PREFETCH_BYTES) if pdl else 0
+        prefetch_k = prefetch_columns(max(inter, shared_inter), bn, x.element_size()) if pdl else 0
         _down_kernel[(rows, triton.cdiv(hidden, bn))](
             h, ids, tokens, down, out, shared_h, shared_down, shared_out, t, s, num_experts, vocab, topk, hidden,
             inter, shared_inter, h.stride(0), down.stride(0), down.stride(1), out.stride(0),
@@ -368,8 +365,7 @@ def _router_partial_kernel(x_ptr, w_ptr, part_ptr, T, E, H, stride_x, k_per_spli
     tokens = tl.arange(0, T_PAD)
     k0 = tl.program_id(1) * k_per_split
     e_ok = experts < E
-    prefetch_rows_l2(w_ptr + experts.to(tl.int64)[:, None] * H, e_ok, w_ptr, k0, H, PREFETCH_K)
-    dependent_launch(PREFETCH_K > 0)
+    prefetch_then_wait(w_ptr + experts.to(tl.int64)[:, None] * H, e_ok, w_ptr, k0, H, PREFETCH_K)
     w_rows = w_ptr + experts.to(tl.int64)[:, None] * H + k0
     acc, _ = _products(x_ptr + tokens.to(tl.int64)[:, None] * stride_x + k0, tokens < T, w_rows, w_rows, e_ok, e_ok,
                        tl.minimum(k_per_split, H - k0), T_PAD, BLOCK_E, BLOCK_K, False)
@@ -426,7 +422,7 @@ def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         splits = max(1, triton.cdiv(hidden, k_per_split))
         part = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
         pdl = WEIGHT_PREFETCH and has_pdl(x.device)
-        prefetch_k = prefetch_columns(k_per_split, block_e, x.element_size(), PREFETCH_BYTES) if pdl else 0
+        prefetch_k = prefetch_columns(k_per_split, block_e, x.element_size()) if pdl else 0
         _router_partial_kernel[(e_blocks, splits)](x, weight, part, t, num_experts, hidden, x.stride(0), k_per_split,
                                                    T_PAD=DOT_MIN_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,
                                                    PREFETCH_K=prefetch_k, num_warps=warps, num_stages=stages,

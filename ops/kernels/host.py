@@ -32,8 +32,13 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def prefetch_columns(k: int, block_n: int, itemsize: int, budget_bytes: int) -> int:
+# Weight bytes a program launched with PDL asks the L2 for before its wait (the projections', the
+# experts' and the router's launches)
+PREFETCH_BYTES = 32768
+
+
+def prefetch_columns(k: int, block_n: int, itemsize: int) -> int:
     """Leading columns of its ``block_n`` weight rows (``k`` columns each) a program asks the L2
-    for before its PDL wait: ``budget_bytes`` worth, a power of two, at least one 128-byte line of
-    2-byte weights (the ``PREFETCH_K`` of ``primitives.prefetch_rows_l2``)."""
-    return max(64, min(triton.next_power_of_2(k), budget_bytes // (block_n * itemsize)))
+    for before its PDL wait: :data:`PREFETCH_BYTES` worth, a power of two, at least one 128-byte
+    line of 2-byte weights (the ``PREFETCH_K`` of ``primitives.prefetch_then_wait``)."""
+    return max(64, min(triton.next_power_of_2(k), PREFETCH_BYTES // (block_n * itemsize)))

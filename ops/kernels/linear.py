@@ -18,7 +18,7 @@ cuBLAS's batched split-K GEMV and its reduction kernel.
 
 Programmatic dependent launch (sm_90+, ``PDL``): a decode step's projections read weights that no
 earlier kernel writes, so each program first asks the L2 for the leading bytes of its weight rows
-(:data:`PREFETCH_BYTES`), then waits for the kernel before it (whose output, x, it reads) and lets
+(``host.PREFETCH_BYTES``), then waits for the kernel before it (whose output, x, it reads) and lets
 the kernel after it launch. Launched while its predecessor still runs, the projection's first
 DRAM round trips overlap that kernel instead of following it. The predecessor must trigger its
 dependents early (an Inductor kernel does under ``triton.enable_pdl``); otherwise the launch
@@ -38,7 +38,7 @@ import triton.language as tl
 
 from .host import has_pdl, num_sms, prefetch_columns
 from .hyper_connection import Partials, collapse_weights, post_and_comb
-from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_rows_l2
+from .primitives import DOT_MIN_ROWS, TileConfig, dependent_launch, prefetch_then_wait
 
 MAX_ROWS = 64  # rows of x up to which the kernels run (padded to 16, 32 or 64: rows_pad); more are a GEMM
 MAX_WEIGHTS = 8
@@ -70,9 +70,7 @@ GROUPED_CONFIG = (32, 512, 4, 3)
 # (docs/perf-log.md).
 SPLIT_K_ROWS = 2048
 SPLIT_K_CONFIG = (64, 128, 4, 4)
-# Weight bytes per program requested into the L2 before the PDL wait (its rows' first K columns).
-# WEIGHT_PREFETCH False: launched without PDL or prefetch (benchmarks compare the two).
-PREFETCH_BYTES = 32768
+# False: launched without PDL or the weight prefetch (benchmarks compare the two)
 WEIGHT_PREFETCH = True
 
 
@@ -160,16 +158,7 @@ def _pdl_prefetch_k(k: int, block_n: int, itemsize: int, device: torch.device) -
     """Leading K columns of its weight rows a program prefetches under PDL (0: no PDL launch)."""
     if not (WEIGHT_PREFETCH and has_pdl(device)):
         return 0
-    return prefetch_columns(k, block_n, itemsize, PREFETCH_BYTES)
-
-
-@triton.jit
-def _prefetch_then_wait(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.constexpr):
-    """``PREFETCH_K > 0``: launched with PDL; the lines of the rows' first ``PREFETCH_K`` columns
-    from ``k_start`` are requested into the L2 (masked lanes ask for ``w_first``, the weight's first
-    element), then the program waits for its predecessor and triggers its dependents."""
-    prefetch_rows_l2(w_rows, row_ok, w_first, k_start, K, PREFETCH_K)
-    dependent_launch(PREFETCH_K > 0)
+    return prefetch_columns(k, block_n, itemsize)
 
 
 @triton.jit
@@ -300,7 +289,7 @@ def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr
         row_ok = rows < n
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K
         k_start = tl.program_id(1) * k_per_split
-        _prefetch_then_wait(w_rows, row_ok, w_ptr, k_start, K, PREFETCH_K)
+        prefetch_then_wait(w_rows, row_ok, w_ptr, k_start, K, PREFETCH_K)
         pre = 0.0
         r_out = 0.0
         if COLLAPSE > 0:  # the collapse weights of the M tokens
@@ -445,7 +434,7 @@ def _grouped_linear_kernel(x_ptr, w_ptr, out_ptr, M, G, K, N, stride_xm, stride_
     rows = (pid - g * tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
     w_rows = w_ptr + (g * N + rows).to(tl.int64)[:, None] * K
-    _prefetch_then_wait(w_rows, row_ok, w_ptr, 0, K, PREFETCH_K)
+    prefetch_then_wait(w_rows, row_ok, w_ptr, 0, K, PREFETCH_K)
     acc = _rows_product(x_ptr + g * stride_xg, stride_xm, M, K, 0, K, w_rows, row_ok, x_ptr, 0.0, 0.0, 0.0, x_ptr,
                         False, M_PAD, BLOCK_N, BLOCK_K, False, 0, False)
     m = tl.arange(0, M_PAD)

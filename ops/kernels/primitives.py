@@ -61,6 +61,14 @@ def prefetch_rows_l2(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.constex
 
 
 @triton.jit
+def prefetch_then_wait(w_rows, row_ok, w_first, k_start, K, PREFETCH_K: tl.constexpr):
+    """``PREFETCH_K > 0``: launched with PDL; the rows' columns as :func:`prefetch_rows_l2` asks for
+    them, then :func:`dependent_launch` (wait for the predecessor, let the successor launch)."""
+    prefetch_rows_l2(w_rows, row_ok, w_first, k_start, K, PREFETCH_K)
+    dependent_launch(PREFETCH_K > 0)
+
+
+@triton.jit
 def dependent_launch(PDL: tl.constexpr):
     """For a kernel launched with programmatic dependent launch (``PDL``): wait until the kernel
     before it has finished and its writes are visible, then let the kernel after it launch (which
