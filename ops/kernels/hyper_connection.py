@@ -229,10 +229,10 @@ def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, 
                      out_norm_eps, N: tl.constexpr, NP: tl.constexpr, MP: tl.constexpr, SP: tl.constexpr,
                      T_PAD: tl.constexpr, NORM: tl.constexpr):
     """Of tokens ``t0 + [0, T_PAD)``, from the projection's ``SPLIT`` partials (``dots [SPLIT, T,
-    MP]``, ``sq [SPLIT, T]``, with ``NORM`` ``gram [SPLIT, T, NP NP]``): ``(pre [T_PAD, NP], r
-    [T_PAD], r_out [T_PAD])``, the collapse weights (0 past N), the streams' RMS factor that scales
-    every mix, and the block norm's factor of the collapse (1 without ``NORM``). Tokens past ``T``
-    get finite values no one stores."""
+    MP]``, ``sq [SPLIT, T]``, with ``NORM`` ``gram [SPLIT, T, NP NP]``): ``(pre [T_PAD, NP], r_out
+    [T_PAD])``, the collapse weights (0 past N; their mixes scaled by the streams' RMS factor) and
+    the block norm's factor of the collapse (1 without ``NORM``). Tokens past ``T`` get finite
+    values no one stores."""
     s = tl.arange(0, SP)
     t = t0 + tl.arange(0, T_PAD)
     n = tl.arange(0, NP)
@@ -258,7 +258,7 @@ def collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t0, T, D, 
     if NORM:
         total = tl.maximum(tl.sum(tl.sum(gram * pre[:, :, None] * pre[:, None, :], axis=2), axis=1), 0.0)
         r_out = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(total, D.to(tl.float32)) + out_norm_eps))
-    return pre, r, r_out
+    return pre, r_out
 
 
 @triton.jit
@@ -333,7 +333,7 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         xs = tl.load(x_ptr + (t * N + n[:, None]) * D + d[None, :], mask=(n < N)[:, None] & d_ok[None, :], other=0.0)
         if NORM:
             w = tl.load(norm_weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-        pre, _, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
+        pre, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
                                          hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
         collapsed = tl.sum(tl.sum(pre, axis=0)[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
         if NORM:

@@ -293,9 +293,9 @@ def _linears_kernel(x_ptr, M, K, stride_x, norm_ptr, eps, part_ptr, counters_ptr
         pre = 0.0
         r_out = 0.0
         if COLLAPSE > 0:  # the collapse weights of the M tokens
-            pre, _, r_out = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, 0, M, K, hc_split, hc_inv_k,
-                                             hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP, T_PAD,
-                                             COLLAPSE_NORM)
+            pre, r_out = collapse_weights(hc_dots, hc_sq, hc_gram, hc_base, hc_scale, 0, M, K, hc_split, hc_inv_k,
+                                          hc_eps, hc_norm_eps, eps, COLLAPSE, HC_NP, HC_MP, HC_SP, T_PAD,
+                                          COLLAPSE_NORM)
         acc = _rows_product(x_ptr, stride_x, M, K, k_start, k_per_split, w_rows, row_ok, norm_ptr, eps, pre, r_out,
                             hc_out, pid == 0, M_PAD, BLOCK_N, BLOCK_K, NORM, COLLAPSE, COLLAPSE_NORM)
         m = tl.arange(0, M_PAD)
