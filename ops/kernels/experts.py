@@ -228,6 +228,11 @@ MANY_EXPERTS_CONFIGS = ((64, 64, 4, 3), (64, 64, 4, 3))
 WEIGHT_PREFETCH = True
 
 
+def _launch_pdl(device: torch.device) -> bool:
+    """Launch with PDL and the weight prefetch: :data:`WEIGHT_PREFETCH` on a device that has PDL."""
+    return WEIGHT_PREFETCH and has_pdl(device)
+
+
 def launch_routed_experts(x: torch.Tensor, expert_ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                           limit: float, gate_up_config: TileConfig | None = None,
                           down_config: TileConfig | None = None) -> torch.Tensor:
@@ -284,7 +289,7 @@ def _launch(x, expert_ids, gate_up, down, limit, gate_up_config, down_config, sh
         bn, bk, warps, stages = gate_up_config
         columns = max(inter, shared_inter, logits.shape[1])
         hashed = token_ids is not None
-        pdl = WEIGHT_PREFETCH and has_pdl(x.device)
+        pdl = _launch_pdl(x.device)
         prefetch_k = prefetch_columns(hidden, bn, x.element_size()) if pdl else 0
         _gate_up_kernel[(rows + (router is not None), triton.cdiv(columns, bn))](
             x, ids, tokens, gate_up, h, shared_gate, shared_up, shared_h, router if router is not None else x, logits,
@@ -421,7 +426,7 @@ def launch_router_topk(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         k_per_split = triton.cdiv(k_blocks, max(1, min(k_blocks, num_sms(x.device) // e_blocks))) * block_k
         splits = max(1, triton.cdiv(hidden, k_per_split))
         part = torch.empty(splits, t, num_experts, dtype=torch.float32, device=x.device)
-        pdl = WEIGHT_PREFETCH and has_pdl(x.device)
+        pdl = _launch_pdl(x.device)
         prefetch_k = prefetch_columns(k_per_split, block_e, x.element_size()) if pdl else 0
         _router_partial_kernel[(e_blocks, splits)](x, weight, part, t, num_experts, hidden, x.stride(0), k_per_split,
                                                    T_PAD=DOT_MIN_ROWS, BLOCK_E=block_e, BLOCK_K=block_k,

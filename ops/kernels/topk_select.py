@@ -356,9 +356,9 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
                        stride_pt, stride_out, CAP: tl.constexpr, BLOCK: tl.constexpr, PAGE: tl.constexpr,
                        DIGIT_BITS: tl.constexpr, PDL: tl.constexpr):
     """A whole row's select in one program (grid ``[T]``), for rows of at most ``CAP`` logits:
-    the row's keys stay in registers while :func:`_kth_largest` finds the K-th largest, then one
-    ``cumsum`` places the selected slots, so the only memory round trips are one load of the row,
-    the page-table reads of the selected entries and their stores."""
+    the row's keys and their page-table entries stay in registers while :func:`_kth_largest` finds
+    the K-th largest, then one ``cumsum`` places the selected slots, so the only memory round trips
+    are one load of the row and its pages and the stores."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
@@ -368,10 +368,12 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
         j = tl.arange(0, CAP)
         visible = j < n
         key = unsigned_key(tl.load(workspace_ptr + r.to(tl.int64) * stride_workspace + j, mask=visible, other=0.0))
+        # every entry's page with the keys: read after the select, it would wait for its passes
+        page = tl.load(pt_row + j // PAGE, mask=visible, other=-1)
         threshold = _kth_largest(key, visible, topk, DIGIT_BITS)
         need = topk - tl.sum((visible & (key > threshold)).to(tl.int32), axis=0)
         take, _ = _take(key, visible, threshold, need, 0)
-        tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, _slot(pt_row, j, take, num_pages, PAGE), mask=take)
+        tl.store(out_row + tl.cumsum(take.to(tl.int32), 0) - 1, _slot_on_page(page, j, num_pages, PAGE), mask=take)
         filled = topk
     _finish_row(pt_row, out_row, n, topk, filled, num_pages, BLOCK, PAGE)
 
