@@ -270,6 +270,10 @@ def run(args) -> list[dict]:
                           f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
                           + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
                           flush=True)
+                    if prof["copies"]:
+                        print(f"    {way}: copy work/step: " + ", ".join(
+                            f"{c['name']} {c['calls_per_step']:.0f}x {c['us_per_step']:.1f}us" for c in prof["copies"]),
+                            flush=True)
                 if (host := row.get(f"{way}_host_us")) is not None:
                     print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
                 if (replay := row.get(f"{way}_replay_us")) is not None:

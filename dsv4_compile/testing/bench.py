@@ -135,13 +135,16 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     programmatic dependent launch starts while its predecessor still runs and waits inside, so the
     durations overlap and their sum counts that wait twice), ``gpu_idle_us`` (the gaps between
     kernels within the profiled span), ``host_overhead_us`` (wall minus active: the time the GPU
-    waits for the host), ``kernels`` (launches), ``memcpy_us``; and ``top``: the ``top`` kernels by
+    waits for the host), ``kernels`` (launches), ``memcpy_us`` (copies and memsets, the device's
+    copy work), ``copies`` (that work by kind: ``{"name", "us_per_step", "calls_per_step"}``); and
+    ``top``: the ``top`` kernels by
     time (``None``: all), each ``{"name", "us_per_step", "critical_us_per_step", "calls_per_step"}``,
     where ``critical`` is the time from the end of whatever ran before the kernel to its own end,
     the part of the step's active time the kernel adds (a PDL wait is not in it); ``timeline``: the
-    last step's kernels in launch order, each ``{"name", "grid", "start_us", "us", "critical_us"}``
-    (start from the step's first kernel; grid as the profiler's trace records it), which tells
-    apart the launches of one kernel (a projection's weight by its grid).
+    last step's kernels, copies and memsets in launch order, each ``{"name", "grid", "start_us",
+    "us", "critical_us"}`` (start from the step's first kernel; grid as the profiler's trace records
+    it, None for a copy), which tells apart the launches of one kernel (a projection's weight by its
+    grid) and places each copy between the kernels around it.
     """
     from torch.profiler import ProfilerActivity, profile
 
@@ -155,12 +158,12 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     kernels: dict[str, list[float]] = {}
     critical: dict[str, float] = {}
     spans: list[tuple[float, float, str]] = []
-    memcpy_us = 0.0
+    copies: dict[str, list[float]] = {}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA:
             continue
         if ev.name.startswith("Memcpy") or ev.name.startswith("Memset"):
-            memcpy_us += ev.device_time_total
+            copies.setdefault(ev.name, []).append(ev.device_time_total)
         else:
             kernels.setdefault(ev.name, []).append(ev.device_time_total)
             spans.append((ev.time_range.start, ev.time_range.end, ev.name))
@@ -176,21 +179,28 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     ranked = sorted(kernels.items(), key=lambda kv: -critical[kv[0]])[:top]
     return {"wall_us": 1e6 * wall / steps, "gpu_busy_us": busy / steps, "gpu_active_us": active / steps,
             "gpu_idle_us": idle / steps, "host_overhead_us": 1e6 * wall / steps - active / steps,
-            "kernels": sum(len(t) for t in kernels.values()) / steps, "memcpy_us": memcpy_us / steps,
+            "kernels": sum(len(t) for t in kernels.values()) / steps,
+            "memcpy_us": sum(sum(t) for t in copies.values()) / steps,
+            "copies": [{"name": name, "us_per_step": sum(t) / steps, "calls_per_step": len(t) / steps}
+                       for name, t in sorted(copies.items())],
             "top": [{"name": name[:120], "us_per_step": sum(t) / steps, "critical_us_per_step": critical[name] / steps,
                      "calls_per_step": len(t) / steps}
                     for name, t in ranked],
             "timeline": timeline}
 
 
+_DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # the Chrome trace's categories of device work
+
+
 def _last_step_timeline(prof, steps: int) -> list[dict[str, Any]]:
-    """The kernels of the last of ``steps`` profiled steps (every step launches the same number),
-    in order, from the profiler's Chrome trace: the only export that keeps each launch's grid."""
+    """The kernels, copies and memsets of the last of ``steps`` profiled steps (every step
+    launches the same number), in order, from the profiler's Chrome trace: the only export that
+    keeps each launch's grid."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
         events = json.loads(path.read_text())["traceEvents"]
-    launches = sorted((e for e in events if e.get("cat") == "kernel" and "dur" in e), key=lambda e: e["ts"])
+    launches = sorted((e for e in events if e.get("cat") in _DEVICE_WORK and "dur" in e), key=lambda e: e["ts"])
     last = launches[len(launches) - len(launches) // steps:] if steps else []
     out, reached = [], last[0]["ts"] if last else 0.0
     for e in last:
