@@ -144,10 +144,9 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
     j_ok = j < N
     tok = t[:, None, None].to(tl.int64)
     ok = t_ok[:, None, None] & (j_ok[:, None] & d_ok[None, :])[None, :, :]  # [BLOCK_T, j, d]
-    # the streams and the block's output first: the compiler converts post's layout (a warp
-    # barrier) as soon as post is loaded, and a load after that barrier waits for post's
+    # the streams last: the compiler converts their layout (a warp barrier) as soon as they are
+    # loaded, and a load after that barrier waits for them
     offs = (tok * N + j[None, :, None]) * D + d[None, None, :]
-    streams = tl.load(streams_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_T, l, d]
     block_out = tl.load(out_ptr + tok * D + d[None, None, :], mask=t_ok[:, None, None] & d_ok[None, None, :],
                         other=0.0).to(tl.float32)  # [BLOCK_T, 1, d]
     post = tl.load(post_ptr + tok * N + j[None, :, None], mask=t_ok[:, None, None] & j_ok[None, :, None],
@@ -155,6 +154,7 @@ def _posted_streams(streams_ptr, post_ptr, comb_ptr, out_ptr, new_ptr, t, t_ok, 
     comb = tl.load(comb_ptr + tok * (N * N) + j[None, :, None] * N + j[None, None, :],
                    mask=t_ok[:, None, None] & j_ok[None, :, None] & j_ok[None, None, :],
                    other=0.0).to(dt).to(tl.float32)  # [BLOCK_T, l, j]: comb[t, l, j]
+    streams = tl.load(streams_ptr + offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_T, l, d]
     mixed = tl.sum(comb[:, :, :, None] * streams[:, :, None, :], axis=1)  # [BLOCK_T, j, d]
     new = _rounded_mix(post * block_out, mixed, dt)
     tl.store(new_ptr + offs, new, mask=ok)
