@@ -1,6 +1,6 @@
 """What a whole-step CUDA graph copies its inputs through (``dsv4_compile/step_graphs.py``), on
-the CPU: the static copies a signature keeps, and the one-launch byte copy of a call's inputs into
-them. The graphs themselves are tested on the GPU (tests/gpu/test_cudagraph_step.py)."""
+the CPU: the static copies a signature keeps, and the one-launch copy of a call's inputs into them
+(as one integer dtype). The graphs themselves are tested on the GPU (tests/gpu/test_cudagraph_step.py)."""
 
 import torch
 
@@ -20,6 +20,22 @@ def test_byte_copy_moves_every_input_of_mixed_dtypes():
     assert torch.equal(sig.x, x) and torch.equal(sig.extra[0], rows)
     for static, given in zip(sig.step.tensors(), step.tensors()):
         assert static.dtype == given.dtype and torch.equal(static, given)
+
+
+def test_inputs_are_copied_as_the_widest_word_every_input_fits():
+    """Eight rows: every input's bytes are a multiple of 8 (int64 words); one row: its int32 request
+    tensors hold 4 bytes (int32 words). A source whose storage offset is not a multiple of the word
+    is copied as bytes, still in one launch."""
+    rows = list(range(8))
+    sig = _static_copy(torch.zeros(8, 8, dtype=torch.bfloat16), _step(rows, [5] * 8, rows), ())
+    assert [t.dtype for t in sig.words] == [torch.int64] * 5
+    one = _static_copy(torch.zeros(1, 8, dtype=torch.bfloat16), _step([0], [5], [10]), ())
+    assert [t.dtype for t in one.words] == [torch.int32] * 5
+    x = torch.randn(8 * 8 + 1).bfloat16()[1:].view(8, 8)  # 2 bytes into its storage: no int64 view
+    step = _step([7, 6, 5, 4, 3, 2, 1, 0], [9] * 8, [2**40 + r for r in rows])
+    _copy_in(sig, [x, *step.tensors()])
+    assert torch.equal(sig.x, x)
+    assert all(torch.equal(a, b) for a, b in zip(sig.step.tensors(), step.tensors()))
 
 
 def test_inputs_that_cannot_be_viewed_as_bytes_are_copied_by_dtype():
