@@ -24,13 +24,15 @@ def test_byte_copy_moves_every_input_of_mixed_dtypes():
 
 def test_inputs_are_copied_as_the_widest_word_every_input_fits():
     """Eight rows: every input's bytes are a multiple of 8 (int64 words); one row: its int32 request
-    tensors hold 4 bytes (int32 words). A source whose storage offset is not a multiple of the word
-    is copied as bytes, still in one launch."""
+    tensors hold 4 bytes (int32 words); an input past one foreach chunk of bytes: bytes. A source
+    whose storage offset is not a multiple of the word is copied as bytes, still in one launch."""
     rows = list(range(8))
     sig = _static_copy(torch.zeros(8, 8, dtype=torch.bfloat16), _step(rows, [5] * 8, rows), ())
     assert [t.dtype for t in sig.words] == [torch.int64] * 5
     one = _static_copy(torch.zeros(1, 8, dtype=torch.bfloat16), _step([0], [5], [10]), ())
     assert [t.dtype for t in one.words] == [torch.int32] * 5
+    wide = _static_copy(torch.zeros(8, 8192, dtype=torch.bfloat16), _step(rows, [5] * 8, rows), ())  # 128 KB
+    assert [t.dtype for t in wide.words] == [torch.uint8] * 5
     x = torch.randn(8 * 8 + 1).bfloat16()[1:].view(8, 8)  # 2 bytes into its storage: no int64 view
     step = _step([7, 6, 5, 4, 3, 2, 1, 0], [9] * 8, [2**40 + r for r in rows])
     _copy_in(sig, [x, *step.tensors()])
