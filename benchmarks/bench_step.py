@@ -47,7 +47,8 @@ none waits for the device); for the whole-step-graph ways also the µs per call 
 to back, against the same loop of bare ``replay()`` calls of the graph they replay: their difference
 is what the host adds to a stream of steps (the profiler's wall − busy also counts its own
 per-kernel overhead); and a call with the graph's own static inputs (``StepGraphs.static_inputs``:
-nothing copied), waited for and its host µs.
+nothing copied), waited for and its host µs, beside a bare ``replay()``'s host µs queued the same
+way (the driver's share: where a graph's launches fill the device's queue, both block).
 """
 
 from __future__ import annotations
@@ -212,7 +213,10 @@ def _measure(row: dict, way: str, fn, compiled, x, step, weight_bytes: int, args
     if args.host and way in STEP_GRAPH_WAYS:
         # the host's cost in a stream of steps: the calls against their captured graph alone
         row[f"{way}_back_to_back_us"] = _back_to_back(fn, args.iters)
-        row[f"{way}_replay_us"] = _back_to_back(compiled.graphs.captured(x, step).replay, args.iters)
+        replay = compiled.graphs.captured(x, step).replay
+        row[f"{way}_replay_us"] = _back_to_back(replay, args.iters)
+        # the driver's own share of a call's host time: a bare replay queued the same way
+        row[f"{way}_replay_host_us"] = host_us_per_call(replay, args.iters)
         # called with the graph's own static inputs: nothing copied
         static_x, static_step, _ = compiled.graphs.static_inputs(x, step)
         static_fn = lambda: compiled(static_x, static_step)  # noqa: E731
@@ -279,7 +283,8 @@ def run(args) -> list[dict]:
                 if (replay := row.get(f"{way}_replay_us")) is not None:
                     print(f"    {way}: back to back {row[f'{way}_back_to_back_us']:.1f}us a call, its graph's "
                           f"replays alone {replay:.1f}us; with its static inputs {row[f'{way}_static_us']:.1f}us "
-                          f"a waited call, host {row[f'{way}_static_host_us']:.1f}us", flush=True)
+                          f"a waited call, host {row[f'{way}_static_host_us']:.1f}us (a bare replay's "
+                          f"{row[f'{way}_replay_host_us']:.1f}us)", flush=True)
             results.append(row)
         del stack, engine, compiled
         torch._dynamo.reset()
