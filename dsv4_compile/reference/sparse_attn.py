@@ -15,11 +15,13 @@ Shape legend: T = query rows, H = heads, K1 / K2 = index widths (multiples of 64
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..attention import KVSet
 from .functional import row_chunks
-from .kv_store import gather_model1
+from .kv_store import gather_model1_rows, rows_at
 
 _ROW_CHUNK_KEYS = 1 << 15  # rows x keys gathered at once (each key 512 fp32)
 
@@ -48,14 +50,22 @@ def gather_rows(sets: list[KVSet], lo: int, hi: int, dtype: torch.dtype) -> tupl
     """Keys of rows ``[lo, hi)``: the entries of every set, concatenated in order, ``[C, K, 512]``
     ``dtype`` (0 where invalid), and ``valid [C, K]`` bool (inside the row's length and pointing at
     a slot of the cache)."""
-    keys, valid = [], []
+    parts, valid = [], []
     for kv in sets:
         idx, lens = kv.indices[lo:hi].long(), kv.lengths[lo:hi].long()
         m = torch.arange(idx.shape[1], device=idx.device)
         ok = (m < lens.unsqueeze(1)) & (idx >= 0) & (idx < kv.capacity)
-        keys.append(gather_model1(kv.cache, torch.where(ok, idx, -1), kv.page_size).to(dtype))
+        parts.append(gather_model1_rows(kv.cache, torch.where(ok, idx, -1), kv.page_size))
         valid.append(ok)
-    return torch.cat(keys, 1), torch.cat(valid, 1)
+    if all(where is not None for _, where in parts):
+        # the sets' distinct rows joined, then one copy out to [C, K, 512]: joining the copied-out
+        # keys instead moved every key twice
+        offsets = itertools.accumulate((rows.shape[0] for rows, _ in parts[:-1]), initial=0)
+        table = torch.cat([rows for rows, _ in parts]).to(dtype)
+        keys = rows_at(table, torch.cat([where + off for (_, where), off in zip(parts, offsets)], 1))
+    else:
+        keys = torch.cat([rows.reshape(*ok.shape, -1).to(dtype) for (rows, _), ok in zip(parts, valid)], 1)
+    return keys, torch.cat(valid, 1)
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, attn_sink: torch.Tensor,
