@@ -455,8 +455,8 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
     _bucket_hist_kernel[(rows, num_sel)](workspace, minmax, visible, hist, row0, capacity, topk, num_splits, num_sel,
                                          workspace.stride(0), S_P2=s_p2, **common)
     _bucket_emit_kernel[(rows, num_sel)](workspace, minmax, visible, hist, page_table, out, cand, row0, capacity,
-                                         num_pages, topk, num_splits, num_sel, workspace.stride(0), page_table.stride(0),
-                                         out.stride(0), S_P2=s_p2, PAGE=page, **common)
+                                         num_pages, topk, num_splits, num_sel, workspace.stride(0),
+                                         page_table.stride(0), out.stride(0), S_P2=s_p2, PAGE=page, **common)
     _radix_select_kernel[(rows,)](workspace, visible, hist, page_table, out, cand, row0, capacity, num_pages, topk,
                                   num_sel,
                                   workspace.stride(0), page_table.stride(0), out.stride(0), PAGE=page, **common)
