@@ -16,7 +16,8 @@ the extra inputs, and whether inference mode is on. The first call of a signatur
 into static tensors of its own and runs the compiled step on them (on a side stream, outside any
 capture: Dynamo may compile a frame, Triton a kernel); the second copies its inputs in, captures
 the same call into a graph that shares one memory pool with the step's other graphs, and replays
-it; every later call copies and replays. Each call runs the step exactly once, so the cache sees every write once.
+it; every later call copies and replays. Each call runs the step exactly once, so the cache sees
+every write once.
 
 Contract (what a replay does not look at): the stack stays as it was compiled, as with
 ``compile_step(model_guards=False)``: weights and cache contents updated in place are seen; a

@@ -19,8 +19,7 @@ Host time (:func:`host_us_per_call`): the host's own time per call of a step, wi
 busy so that no call waits for it.
 
 Kernel choices (:func:`posted_max_tokens`, :func:`weight_prefetch`, :func:`expert_weight_prefetch`,
-:func:`linears_split_k`,
-:func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
+:func:`linears_split_k`, :func:`moe_in_op`, :func:`hash_router_in_op`, :func:`normalise_after_sum`,
 :func:`learned_router_op`, :func:`norm_in_hc_op`): two ways of a kernel or op, side by side.
 Pass lists (:func:`passes_without`, :func:`passes_configured`): the default passes less one, or
 with one set otherwise.

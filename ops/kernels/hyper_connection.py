@@ -334,7 +334,7 @@ def _pre_finish_kernel(x_ptr, dots_ptr, sq_ptr, base_ptr, scale_ptr, post_ptr, c
         if NORM:
             w = tl.load(norm_weight_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
         pre, r_out = collapse_weights(dots_ptr, sq_ptr, gram_ptr, base_ptr, scale_ptr, t, T, D, SPLIT, inv_k,
-                                         hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
+                                      hc_eps, norm_eps, out_norm_eps, N, NP, MP, SP, 1, NORM)
         collapsed = tl.sum(tl.sum(pre, axis=0)[:, None] * xs.to(tl.float32), axis=0).to(out_ptr.dtype.element_ty)
         if NORM:
             collapsed = (collapsed.to(tl.float32) * tl.sum(r_out, axis=0) * w).to(out_ptr.dtype.element_ty)

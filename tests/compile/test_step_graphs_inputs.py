@@ -1,6 +1,7 @@
 """What a whole-step CUDA graph copies its inputs through (``dsv4_compile/step_graphs.py``), on
 the CPU: the static copies a signature keeps, and the one-launch copy of a call's inputs into them
-(as one integer dtype). The graphs themselves are tested on the GPU (tests/gpu/test_cudagraph_step.py)."""
+(as one integer dtype). The graphs themselves are tested on the GPU
+(tests/gpu/test_cudagraph_step.py)."""
 
 import torch
 
@@ -12,7 +13,7 @@ def _step(rows, seq_lens, loc) -> StepInputs:
     return StepInputs.make(ForwardMode.DECODE, rows, seq_lens, [1] * len(rows), loc)
 
 
-def test_byte_copy_moves_every_input_of_mixed_dtypes():
+def test_one_launch_copy_moves_every_input_of_mixed_dtypes():
     sig = _static_copy(torch.zeros(3, 8, dtype=torch.bfloat16), _step([0, 1, 2], [5, 6, 7], [10, 11, 12]),
                        (torch.tensor([0, 2]),))
     x, step, rows = torch.randn(3, 8).bfloat16(), _step([2, 1, 3], [9, 6, 70000], [13, 2**40, 12]), torch.tensor([1, 0])
