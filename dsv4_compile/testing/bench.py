@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import tempfile
@@ -147,6 +148,9 @@ def profile_steps(run_steps: Callable[[int], object], steps: int, top: int | Non
     """
     from torch.profiler import ProfilerActivity, profile
 
+    # detach CUPTI when the profile ends: left attached (the profiler's default) it slows every
+    # later launch in the process and widens the gaps between a graph's kernels
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
