@@ -33,11 +33,12 @@ Everything is decided per row on the device:
   4 warps) took 19.5 µs a call there against 11.3 standalone; looped (3.3k lines at 8 warps),
   10.1 against 10.8 (``benchmarks/bench_model.py --profile``, b = 1, 1,056 entries, K = 512).
 * Decode-sized steps (few rows of at most ``_RANK_SELECT_MAX_CAPACITY`` entries):
-  ``_rank_select_kernel`` (grid ``[T, CAP / BLOCK_I]``) counts, for each entry, the entries ahead
-  of it in the row's order (key descending, index ascending) and writes the slot of each entry
-  ranked below K to ``out[q, rank]``: the selected slots in that order, no program waiting on
-  another. Its O(n^2) comparisons spread one row over the GPU, where the one-program select
-  leaves all but one SM idle (CSA layer of the model step, b = 1: 10 -> ~4 µs).
+  ``_rank_select_kernel`` (grid ``[T, capacity / BLOCK_I]``) counts, for each visible entry, the
+  visible entries ahead of it in the row's order (key descending, index ascending) and writes the
+  slot of each entry ranked below K to ``out[q, rank]``: the selected slots in that order, no
+  program waiting on another. Its O(n^2) comparisons spread one row over the GPU, where the
+  one-program select leaves all but one SM idle (CSA layer of the model step, b = 1: 10 -> ~4
+  µs), and cover the visible entries only, so a row's cost follows its context, not its capacity.
 
 Shape legend: T = rows of this chunk, capacity = page-table width * 64, K = topk, S = scan splits,
 S2 = select splits, NB = 256 buckets.
@@ -64,14 +65,17 @@ _MAX_SELECT_SPLITS = 64
 _ROW_SELECT_MAX_CAPACITY = 2048
 _DIGIT_BITS = 8  # threshold bits a histogram pass of the one-program select finds (4 passes)
 # Decode-sized steps rank every entry against its whole row in parallel (``_rank_select_kernel``):
-# CAP^2 comparisons a row over CAP / BLOCK_I programs of _RANK_TILE each, for rows of at most
-# _RANK_SELECT_MAX_CAPACITY entries (one tile of keys) while rows x CAP^2 stays within
-# _RANK_SELECT_MAX_COMPARISONS. H200, ``indexer_topk`` µs (scan included) ranked against one program a row,
-# 1,024 entries: b = 1 5.7-6.1 against 11.0, b = 8 9.0-9.7 against 11.4, b = 16 13.2-13.5 against 11.6;
-# 2,048 entries: b = 1 7.2 against 13.8, b = 8 19.3-22.2 against 14.1 (the comparisons outgrow the GPU).
+# rows x visible^2 comparisons over programs of _RANK_BLOCK_I entries, each comparing them with
+# _RANK_BLOCK_J keys at a time, for rows of at most _RANK_SELECT_MAX_CAPACITY entries while rows x
+# capacity^2 stays within _RANK_SELECT_MAX_COMPARISONS. H100, select µs at K = 512 for 1,024 / 2,048
+# visible logits of rows of 2,048, ranked against one program a row: 1 row 2.6 / 4.1 against 10.6;
+# 4 rows 4.8 / 9.8 against 10.6 / 10.7; 8 rows 7.2 / 17.0 against 10.7 / 10.8; 16 rows 9.8 / 31.6
+# against 10.7 / 10.8. (Ranked over the whole tile of 2,048, whatever was visible, it took 3.5 / 3.9
+# for one row, 16.3 / 16.7 for 8.)
 _RANK_SELECT_MAX_CAPACITY = 2048
-_RANK_SELECT_MAX_COMPARISONS = 1 << 23
-_RANK_TILE = 16384
+_RANK_SELECT_MAX_COMPARISONS = 1 << 24
+_RANK_BLOCK_I = 8
+_RANK_BLOCK_J = 1024
 _RANK_WARPS = 4
 # The launcher's limits that force each path (tests and benchmarks pin a path with them).
 PATH_LIMITS = {"rank": {"_RANK_SELECT_MAX_COMPARISONS": 1 << 62},
@@ -380,32 +384,35 @@ def _row_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, 
 
 @triton.jit
 def _rank_select_kernel(workspace_ptr, vis_ptr, pt_ptr, out_ptr, row0, capacity, num_pages, topk, stride_workspace,
-                        stride_pt, stride_out, CAP: tl.constexpr, BLOCK_I: tl.constexpr, PAGE: tl.constexpr,
+                        stride_pt, stride_out, BLOCK_I: tl.constexpr, BLOCK_J: tl.constexpr, PAGE: tl.constexpr,
                         PDL: tl.constexpr):
-    """Entries ``i = [pid(1) BLOCK_I, +BLOCK_I)`` of row ``pid(0)`` (grid ``[T, CAP / BLOCK_I]``, rows
-    of at most ``CAP`` logits): each entry's rank in the row's order (key descending, index
-    ascending) counted against every visible entry at once, a ``[BLOCK_I, CAP]`` comparison; the
-    entries ranked below K are the top K, and each writes its slot to ``out[rank]``. No program waits
-    for another, so a decode step's row spreads over the GPU instead of one SM."""
+    """Entries ``i = [pid(1) BLOCK_I, +BLOCK_I)`` of row ``pid(0)`` (grid ``[T, max(capacity, K) /
+    BLOCK_I]``): each visible entry's rank in the row's order (key descending, index ascending),
+    counted against the row's visible entries ``BLOCK_J`` at a time; the entries ranked below K are
+    the top K, and each writes its slot to ``out[rank]``. No program waits for another, so a decode
+    step's row spreads over the GPU instead of one SM; a program whose entries are all past the
+    visible ones has nothing to rank and returns."""
     if PDL:
         tl.extra.cuda.gdc_wait()
     r = tl.program_id(0)
     n, pt_row, out_row = _select_row(vis_ptr, pt_ptr, out_ptr, row0 + r, capacity, stride_pt, stride_out)
     i = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    if n > topk:
+    if n <= topk:
+        _store_in_order(pt_row, out_row, i, n, topk, num_pages, PAGE)
+    elif tl.program_id(1) * BLOCK_I < n:
         row = workspace_ptr + r.to(tl.int64) * stride_workspace
-        j = tl.arange(0, CAP)
         # this block's entries and their pages first: the row's keys go through shared memory to
         # their broadcast layout (a warp barrier), and a load after that barrier waits for them
         key_i = unsigned_key(tl.load(row + i, mask=i < n, other=0.0))[:, None]
         page = tl.load(pt_row + i // PAGE, mask=i < n, other=-1)
-        key_j = unsigned_key(tl.load(row + j, mask=j < n, other=0.0))[None, :]
-        ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
-        rank = tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
+        rank = tl.zeros([BLOCK_I], dtype=tl.int32)
+        for j0 in range(0, n, BLOCK_J):
+            j = j0 + tl.arange(0, BLOCK_J)
+            key_j = unsigned_key(tl.load(row + j, mask=j < n, other=0.0))[None, :]
+            ahead = (key_j > key_i) | ((key_j == key_i) & (j[None, :] < i[:, None]))
+            rank += tl.sum((ahead & (j < n)[None, :]).to(tl.int32), axis=1)
         take = (i < n) & (rank < topk)
         tl.store(out_row + rank, _slot_on_page(page, i, num_pages, PAGE), mask=take)
-    else:
-        _store_in_order(pt_row, out_row, i, n, topk, num_pages, PAGE)
 
 
 def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | None, page_table: torch.Tensor,
@@ -430,14 +437,13 @@ def launch_topk_select(workspace: torch.Tensor | None, minmax: torch.Tensor | No
                                       workspace.stride(0), page_table.stride(0), out.stride(0), NB=_NB,
                                       BLOCK=_BLOCK, PAGE=page, PDL=False, num_warps=4)
         return
-    cap = triton.next_power_of_2(capacity)
-    if capacity <= _RANK_SELECT_MAX_CAPACITY and rows * cap * cap <= _RANK_SELECT_MAX_COMPARISONS:
-        block_i = max(1, min(cap, _RANK_TILE // cap))
-        _rank_select_kernel[(rows, triton.cdiv(max(cap, topk), block_i))](
+    if capacity <= _RANK_SELECT_MAX_CAPACITY and rows * capacity * capacity <= _RANK_SELECT_MAX_COMPARISONS:
+        _rank_select_kernel[(rows, triton.cdiv(max(capacity, topk), _RANK_BLOCK_I))](
             workspace, visible, page_table, out, row0, capacity, num_pages, topk, workspace.stride(0),
-            page_table.stride(0), out.stride(0), CAP=cap, BLOCK_I=block_i, PAGE=page, PDL=pdl,
-            num_warps=_RANK_WARPS, launch_pdl=pdl)
+            page_table.stride(0), out.stride(0), BLOCK_I=_RANK_BLOCK_I, BLOCK_J=_RANK_BLOCK_J, PAGE=page,
+            PDL=pdl, num_warps=_RANK_WARPS, launch_pdl=pdl)
         return
+    cap = triton.next_power_of_2(capacity)
     if capacity <= _ROW_SELECT_MAX_CAPACITY:
         _row_select_kernel[(rows,)](workspace, visible, page_table, out, row0, capacity, num_pages, topk,
                                     workspace.stride(0), page_table.stride(0), out.stride(0), CAP=cap,

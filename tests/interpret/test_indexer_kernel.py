@@ -181,12 +181,14 @@ def _ordered_slots(logits: torch.Tensor, page_table: torch.Tensor, n: int, topk:
 @settings(max_examples=40, deadline=None)
 @given(pages=st.integers(1, 5), visible=st.lists(st.integers(0, 5 * 64 + 9), min_size=1, max_size=3),
        topk=st.sampled_from([1, 16, 64, 100]), levels=st.sampled_from([2, 7, 1 << 20]),
-       signed_zeros=st.booleans(), path=st.sampled_from(sorted(topk_select.PATH_LIMITS)), seed=st.integers(0, 2 ** 16))
-def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros, path, seed):
+       signed_zeros=st.booleans(), path=st.sampled_from(sorted(topk_select.PATH_LIMITS)),
+       rank_keys=st.sampled_from([64, topk_select._RANK_BLOCK_J]), seed=st.integers(0, 2 ** 16))
+def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros, path, rank_keys, seed):
     """``launch_topk_select`` on a given logits workspace, each select path: the K largest of each
     row's visible prefix (ties by index, -0.0 below +0.0) as slots of the row's pages, -1 padded;
     in index order on the one-program path, in the logits' order (ties by index) on the rank path,
-    as a set on the split path."""
+    as a set on the split path. ``rank_keys``: keys the rank path compares at a time (64: rows of
+    several tiles)."""
     gen = torch.Generator().manual_seed(seed)
     rows, capacity = len(visible), pages * layout.INDEX_PAGE_SIZE
     logits = (torch.randint(0, levels, (rows, capacity), generator=gen) - levels // 2).float() / 3
@@ -199,6 +201,7 @@ def test_select_takes_the_exact_top_k(pages, visible, topk, levels, signed_zeros
     with pytest.MonkeyPatch.context() as patch:
         for name, limit in topk_select.PATH_LIMITS[path].items():
             patch.setattr(topk_select, name, limit)
+        patch.setattr(topk_select, "_RANK_BLOCK_J", rank_keys)
         tensors = [t.to(DEVICE) for t in (logits, minmax, page_table, vis, out)]
         topk_select.launch_topk_select(*tensors, row0=0, topk=topk, capacity=capacity, num_pages=rows * pages,
                                        rows=rows)
