@@ -8,10 +8,11 @@ against the references run on the same device.
   exact rings (``testing.compress_index.check_compress_kv``).
 * prepare_q: T up to 4096, 64 heads: fp8 codes within one ulp and >= 99.9% identical, weights
   within a few fp32 ulps.
-* topk: decode at b = 1 / 32 / 256 with 16k, 128k and 1M-token capacities (NP = 64 / 512 / 4096;
-  16k takes the one-program-per-row select), K = 512 / 1024, 64 heads, plus a T = 4096 prefill at 128k: invariants, rows with visible <= K equal to
-  the reference, fp64 selection regret within the reference's + budget (fp8 MMA accumulation:
-  2^-10 x the logit magnitude), exact sets where the margin allows.
+* topk: decode at b = 1 / 32 / 256 with 16k, 128k and 1M-token capacities (NP = 64 / 512 / 4096),
+  and at b = 1 / 4 / 8 / 14 with 4,352 and 8k (NP = 17 / 32: the rank select over the visible
+  entries), K = 512 / 1024, 64 heads, plus a T = 4096 prefill at 128k: invariants, rows with
+  visible <= K equal to the reference, fp64 selection regret within the reference's + budget (fp8
+  MMA accumulation: 2^-10 x the logit magnitude), exact sets where the margin allows.
 * CUDA graphs: the three ops captured once and replayed on new inputs (including rows whose
   visible count drops to <= K after capture) equal eager calls.
 """
@@ -27,7 +28,7 @@ from dsv4_compile.testing import compress_index as inputs
 pytestmark = pytest.mark.gpu
 
 ops = torch.ops.dsv4
-K16, K128, M1 = 1 << 14, 1 << 17, 1 << 20  # tokens per request
+K4, K8, K16, K128, M1 = 4352, 1 << 13, 1 << 14, 1 << 17, 1 << 20  # tokens per request (K4: 17 index pages)
 HEADS = 64
 
 
@@ -96,7 +97,8 @@ def _check_topk(args, got):
     return inputs.check_topk(args, got, budget_rel=2.0 ** -10)
 
 
-@pytest.mark.parametrize("b,capacity,topk", [(1, K16, 512), (32, K16, 512), (256, K16, 1024), (1, M1, 1024),
+@pytest.mark.parametrize("b,capacity,topk", [(1, K4, 512), (8, K4, 512), (14, K4, 512), (1, K8, 512), (4, K8, 512),
+                                             (1, K16, 512), (32, K16, 512), (256, K16, 1024), (1, M1, 1024),
                                              (32, K128, 512), (32, M1, 512), (256, K128, 1024), (256, M1, 512)])
 def test_topk_decode(b, capacity, topk):
     gen = _gen(b + topk)
