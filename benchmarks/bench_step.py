@@ -48,9 +48,10 @@ to back, against the same loop of bare ``replay()`` calls of the graph they repl
 is what the host adds to a stream of steps (the profiler's wall − busy also counts its own
 per-kernel overhead); and a call with the graph's own static inputs (``StepGraphs.static_inputs``:
 nothing copied), waited for and its host µs, beside a bare ``replay()``'s host µs queued the same
-way (the driver's share: where a graph's launches fill the device's queue, both block). Profiles are
-taken after every batch is timed: once ``torch.profiler`` has run in a process, launches stay slower
-there (a 43-layer graph's waited call took 154 µs of host time after a profile, 7 before).
+way (the driver's share: where a graph's launches fill the device's queue, both block). A profile
+detaches CUPTI when it ends (``profile_steps``), so the batches and ways timed after it are not
+slowed by it (left attached, a 43-layer graph's waited call took 154 µs of host time after a
+profile, 7 before).
 """
 
 from __future__ import annotations
@@ -224,30 +225,8 @@ def _measure(row: dict, way: str, fn, compiled, x, step, weight_bytes: int, args
         static_fn = lambda: compiled(static_x, static_step)  # noqa: E731
         row[f"{way}_static_us"] = _time(static_fn, args.iters)
         row[f"{way}_static_host_us"] = host_us_per_call(static_fn, args.iters)
-
-
-def _print_row(row: dict, ways: list[str]) -> None:
-    base = row.get("manual-graph")
-    print(f"ctx {row['context']:>7} b {row['batch']:>4}  floor {row['floor_us']:.1f}us  " + "  ".join(
-        f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
-    for way in ways:
-        if (prof := row.get(f"{way}_profile")) is not None:
-            print(f"    {way}: wall {prof['wall_us']:.1f}us, GPU busy {prof['gpu_busy_us']:.1f}us, active "
-                  f"{prof['gpu_active_us']:.1f}us, host "
-                  f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
-                  + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
-                  flush=True)
-            if prof["copies"]:
-                print(f"    {way}: copy work/step: " + ", ".join(
-                    f"{c['name']} {c['calls_per_step']:.0f}x {c['us_per_step']:.1f}us" for c in prof["copies"]),
-                    flush=True)
-        if (host := row.get(f"{way}_host_us")) is not None:
-            print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
-        if (replay := row.get(f"{way}_replay_us")) is not None:
-            print(f"    {way}: back to back {row[f'{way}_back_to_back_us']:.1f}us a call, its graph's "
-                  f"replays alone {replay:.1f}us; with its static inputs {row[f'{way}_static_us']:.1f}us "
-                  f"a waited call, host {row[f'{way}_static_host_us']:.1f}us (a bare replay's "
-                  f"{row[f'{way}_replay_host_us']:.1f}us)", flush=True)
+    if args.profile and way in GRAPH_WAYS:
+        row[f"{way}_profile"] = profile_steps(lambda n: [fn() for _ in range(n)], args.iters, top=8)
 
 
 def run(args) -> list[dict]:
@@ -275,28 +254,41 @@ def run(args) -> list[dict]:
                                          passes=DSV4PassManager(passes())) for way, passes in PASSES.items()}}
         weight_bytes = sum(p.numel() * p.element_size() for p in stack.parameters())
         floor_us = weight_bytes / (args.hbm_tbps * 1e12) * 1e6
-        profiled = []  # (row, way, fn): profiled once every batch is timed
         for b in batches:
             x, step = _decode_step(engine, rows[:b])
-            row = {"context": context, "batch": b, "floor_us": floor_us}
+            row = {"context": context, "batch": b}
             for way in ways:
                 if way == "eager":
-                    fn = lambda s=stack, x=x, step=step: s(x, step, validate=False)  # noqa: E731
+                    fn = lambda s=stack: s(x, step, validate=False)  # noqa: E731
                 elif way == "manual-graph":
                     fn = _manual_graph(stack, x, step)
                 else:
-                    fn = lambda c=compiled[way], x=x, step=step: c(x, step)  # noqa: E731
+                    fn = lambda c=compiled[way]: c(x, step)  # noqa: E731
                 with SETTINGS.get(way, nullcontext)():
                     _measure(row, way, fn, compiled.get(way), x, step, weight_bytes, args)
-                if args.profile and way in GRAPH_WAYS:
-                    profiled.append((row, way, fn))
+            row["floor_us"] = floor_us
+            base = row.get("manual-graph")
+            print(f"ctx {context:>7} b {b:>4}  floor {floor_us:.1f}us  " + "  ".join(
+                f"{w} {row[w]:9.1f}us" + (f" ({row[w] / base:.2f}x)" if base else "") for w in ways), flush=True)
+            for way in ways:
+                if (prof := row.get(f"{way}_profile")) is not None:
+                    print(f"    {way}: wall {prof['wall_us']:.1f}us, GPU busy {prof['gpu_busy_us']:.1f}us, active "
+                          f"{prof['gpu_active_us']:.1f}us, host "
+                          f"overhead {prof['host_overhead_us']:.1f}us, {prof['kernels']:.0f} kernels/step; top: "
+                          + ", ".join(f"{k['name'][:40]} {k['us_per_step']:.1f}" for k in prof["top"][:5]),
+                          flush=True)
+                    if prof["copies"]:
+                        print(f"    {way}: copy work/step: " + ", ".join(
+                            f"{c['name']} {c['calls_per_step']:.0f}x {c['us_per_step']:.1f}us" for c in prof["copies"]),
+                            flush=True)
+                if (host := row.get(f"{way}_host_us")) is not None:
+                    print(f"    {way}: host {host:.1f}us a call (GPU kept busy)", flush=True)
+                if (replay := row.get(f"{way}_replay_us")) is not None:
+                    print(f"    {way}: back to back {row[f'{way}_back_to_back_us']:.1f}us a call, its graph's "
+                          f"replays alone {replay:.1f}us; with its static inputs {row[f'{way}_static_us']:.1f}us "
+                          f"a waited call, host {row[f'{way}_static_host_us']:.1f}us (a bare replay's "
+                          f"{row[f'{way}_replay_host_us']:.1f}us)", flush=True)
             results.append(row)
-        # after every timing: once the profiler has run, launches stay slower in this process
-        for row, way, fn in profiled:
-            with SETTINGS.get(way, nullcontext)():
-                row[f"{way}_profile"] = profile_steps(lambda n, fn=fn: [fn() for _ in range(n)], args.iters, top=8)
-        for row in results[-len(batches):]:
-            _print_row(row, ways)
         del stack, engine, compiled
         torch._dynamo.reset()
         torch.cuda.empty_cache()
