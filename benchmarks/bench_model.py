@@ -570,9 +570,8 @@ def run(args) -> dict:
         if device.type == "cuda":
             torch.cuda.empty_cache()  # transformers' prefill activations
     backend = make_backend(model, args, _ints(args.batches) + _ints(args.prefill_batches))
-    # in the order given: a process's first compiled way measured faster than the ways after it
-    # while the profiler stayed attached after each way's profile (docs/perf-log.md); it is detached
-    # now (testing.bench.profile_steps), and a comparison is still run in both orders
+    # in the order given: a process's first compiled way measures faster than the ways after it,
+    # with the profiler's CUPTI detached too (docs/perf-log.md), so a comparison is run in both orders
     for way in (w for w in args.ways if w != "hf_eager"):
         measure_way(backend, way, args, results)
         if args.out:  # the ways measured so far, kept should a later way not finish
