@@ -2,8 +2,9 @@
 
 :func:`install` replaces the model instance's ``forward`` (the class is untouched) with one that
 scores a padded batch through the backend when no cache is passed — the way evaluation harnesses
-and scripts call a causal LM — and otherwise calls the model's original forward (``generate()``
-passes its ``DynamicCache``). :func:`uninstall` restores it. docs/model.md, "The model's forward".
+and scripts call a causal LM; ``position_ids`` too when they number each row's real tokens from 0 —
+and otherwise calls the model's original forward (``generate()`` passes its ``DynamicCache``).
+:func:`uninstall` restores it. docs/model.md, "The model's forward".
 
 Padding: each row is scored over its real tokens only (the ``attention_mask`` ones, which must be
 one contiguous run: left or right padding), at positions counted from 0; padded positions' logits
@@ -39,19 +40,20 @@ def install(backend: "ModelBackend") -> None:
             out = cache_forward(backend, past_key_values, input_ids, attention_mask, logits_to_keep,
                                 inputs_embeds=inputs_embeds, labels=labels, **kwargs)
             return out if kwargs.get("return_dict", True) else out.to_tuple()
-        others = (position_ids, past_key_values, inputs_embeds,
-                  *(v for k, v in kwargs.items() if k not in _NEUTRAL))
-        if input_ids is None or any(v is not None and v is not False for v in others):
-            if backend.device_mesh is not None:
-                # transformers' attention broadcasts its one KV head to every query head of the model
-                raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
-                                 "attention heads are sharded (tensor parallelism): pass input_ids, "
-                                 "attention_mask and labels only, or generate() without a cache of your own")
-            return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
-                            logits_to_keep=logits_to_keep, **kwargs)
-        out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep)
-        return out if kwargs.get("return_dict", True) else out.to_tuple()
+        others = (past_key_values, inputs_embeds, *(v for k, v in kwargs.items() if k not in _NEUTRAL))
+        if (input_ids is not None and not any(v is not None and v is not False for v in others)
+                and (position_ids is None or counts_from_zero(position_ids, input_ids, attention_mask))):
+            out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep)
+            return out if kwargs.get("return_dict", True) else out.to_tuple()
+        if backend.device_mesh is not None:
+            # transformers' attention broadcasts its one KV head to every query head of the model
+            raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
+                             "attention heads are sharded (tensor parallelism): pass input_ids, attention_mask "
+                             "and labels only (position_ids only if they number each row's real tokens from 0), "
+                             "or generate() without a cache of your own")
+        return original(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                        past_key_values=past_key_values, inputs_embeds=inputs_embeds, labels=labels,
+                        logits_to_keep=logits_to_keep, **kwargs)
 
     forward.dsv4_backend = backend  # marks the replacement (uninstall removes only its own)
     model.forward = forward
@@ -103,6 +105,25 @@ def cache_forward(backend: "ModelBackend", cache: "DSV4PagedCache", input_ids: t
         raise ValueError(f"with a DSV4PagedCache logits_to_keep must be an int >= 0, got {logits_to_keep!r}")
     logits = cache.step(input_ids, attention_mask, logits_to_keep)
     return MoeCausalLMOutputWithPast(logits=logits, past_key_values=cache)
+
+
+def counts_from_zero(position_ids: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
+                     ) -> bool:
+    """Whether ``position_ids [B or 1, S]`` number each row's real tokens 0, 1, ... (what padding
+    leaves them, and what ``transformers`` derives from ``attention_mask``): the positions the
+    backend scores them at. Other positions (packed sequences, an offset), a mask with holes or a
+    shape that is not ``input_ids``' are left to the model's own forward."""
+    if (not isinstance(position_ids, torch.Tensor) or not isinstance(input_ids, torch.Tensor)
+            or position_ids.dim() != 2 or input_ids.dim() != 2 or position_ids.shape[1] != input_ids.shape[1]
+            or position_ids.shape[0] not in (1, input_ids.shape[0])):
+        return False
+    try:
+        spans = real_spans(input_ids, attention_mask)
+    except ValueError:
+        return False
+    positions = position_ids.cpu()
+    return all(torch.equal(positions[b % positions.shape[0], lo:hi], torch.arange(hi - lo, dtype=positions.dtype))
+               for b, (lo, hi) in enumerate(spans))
 
 
 def real_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[int, int]]:

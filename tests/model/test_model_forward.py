@@ -87,6 +87,42 @@ def test_a_cache_or_close_gives_the_original_forward(tiny_hf_dir, tiny_hf):
     torch.testing.assert_close(model(prompt).logits, tiny_hf(prompt).logits, atol=0, rtol=0)
 
 
+def test_position_ids_numbering_the_real_tokens_from_0_stay_on_the_backend(backend, tiny_hf):
+    """``position_ids`` as ``transformers`` derives them from a left-padded mask (``[B, S]``) or an
+    ``arange`` of one row shared by the batch (``[1, S]``) give the backend's logits, equal to the call
+    without them; positions with an offset (as a packed or continued sequence has) run the original
+    forward: equal to ``transformers`` eager to the bit."""
+    rows = [ids_of(9, 6), ids_of(5, 7)]
+    ids, mask = padded(rows, 9, left=True)
+    want = backend.model(ids, attention_mask=mask).logits
+    from_mask = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+    torch.testing.assert_close(backend.model(ids, attention_mask=mask, position_ids=from_mask).logits, want,
+                               atol=0, rtol=0)
+    full = torch.stack(rows[:1] * 2)
+    torch.testing.assert_close(backend.model(full, position_ids=torch.arange(9)[None]).logits,
+                               backend.model(full).logits, atol=0, rtol=0)
+    assert not torch.equal(want[0], tiny_hf(rows[0][None]).logits[0])  # the backend's numbers, not transformers'
+    shifted = torch.arange(3, 12)[None]
+    torch.testing.assert_close(backend.model(rows[0][None], position_ids=shifted).logits,
+                               tiny_hf(rows[0][None], position_ids=shifted).logits, atol=0, rtol=0)
+    assert not backend.allocator.active_rows
+
+
+def test_generate_without_a_cache_rescores_on_the_backend(backend, monkeypatch):
+    """``generate(use_cache=False)`` calls the forward with the whole sequence each step and
+    ``position_ids`` derived from the mask: every step is scored by the backend's runner, and the
+    tokens equal those of ``generate()`` over the paged cache, left padding included."""
+    ids, mask = padded([ids_of(9, 8), ids_of(6, 9)], 9, left=True)
+    cached = backend.model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    scored = []
+    logits = backend.runner.logits
+    monkeypatch.setattr(backend.runner, "logits", lambda seqs: scored.append(len(seqs)) or logits(seqs))
+    uncached = backend.model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
+    torch.testing.assert_close(uncached, cached, atol=0, rtol=0)
+    assert scored == [2, 2, 2, 2]
+    assert not backend.allocator.active_rows
+
+
 def test_an_attention_mask_with_holes_is_refused(backend):
     ids = ids_of(6, 5).unsqueeze(0)
     with pytest.raises(ValueError, match="attention_mask row 0: the real tokens must be one contiguous run"):

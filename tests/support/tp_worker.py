@@ -162,9 +162,10 @@ def forward(model) -> torch.Tensor:
 
 
 def transformers_forward_error(model) -> str:
-    """What a call that would run ``transformers``' own forward says on a sharded model."""
+    """What a call that would run ``transformers``' own forward (positions with an offset) says on a
+    sharded model."""
     try:
-        model(torch.tensor([ids(4, seed=5)], device=model.device), position_ids=torch.arange(4)[None])
+        model(torch.tensor([ids(4, seed=5)], device=model.device), position_ids=torch.arange(1, 5)[None])
     except ValueError as e:
         return str(e)
     return "no error"
