@@ -41,10 +41,11 @@ def install(backend: "ModelBackend") -> None:
                                 inputs_embeds=inputs_embeds, labels=labels, **kwargs)
             return out if kwargs.get("return_dict", True) else out.to_tuple()
         others = (past_key_values, inputs_embeds, *(v for k, v in kwargs.items() if k not in _NEUTRAL))
-        if (input_ids is not None and not any(v is not None and v is not False for v in others)
-                and (position_ids is None or counts_from_zero(position_ids, input_ids, attention_mask))):
-            out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep)
-            return out if kwargs.get("return_dict", True) else out.to_tuple()
+        if input_ids is not None and not any(v is not None and v is not False for v in others):
+            spans = None if position_ids is None else spans_numbered_from_zero(position_ids, input_ids, attention_mask)
+            if position_ids is None or spans is not None:
+                out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep, spans)
+                return out if kwargs.get("return_dict", True) else out.to_tuple()
         if backend.device_mesh is not None:
             # transformers' attention broadcasts its one KV head to every query head of the model
             raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
@@ -67,14 +68,16 @@ def uninstall(backend: "ModelBackend") -> None:
 
 
 def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0) -> Any:
+                    labels: torch.Tensor | None, logits_to_keep: int | torch.Tensor = 0,
+                    spans: list[tuple[int, int]] | None = None) -> Any:
     """``MoeCausalLMOutputWithPast`` of the padded batch ``input_ids [B, S]`` (``attention_mask [B, S]``,
     1 on real tokens; ``None``: no padding): ``logits [B, S', vocab]`` in the model's dtype (zeros on
     padded positions; ``S'``: the positions ``logits_to_keep`` selects, as in ``transformers``) and,
-    with ``labels [B, S]``, the model's own ``loss_function`` of those logits."""
+    with ``labels [B, S]``, the model's own ``loss_function`` of those logits. ``spans``: the rows'
+    :func:`real_spans` when the caller has them already."""
     from transformers.modeling_outputs import MoeCausalLMOutputWithPast  # loaded with any model
 
-    spans = real_spans(input_ids, attention_mask)
+    spans = real_spans(input_ids, attention_mask) if spans is None else spans
     scored = [b for b, (lo, hi) in enumerate(spans) if hi > lo]
     rows = backend.runner.logits([input_ids[b, slice(*spans[b])] for b in scored])
     logits = backend.new_logits(*input_ids.shape, backend.vocab_size)
@@ -107,23 +110,25 @@ def cache_forward(backend: "ModelBackend", cache: "DSV4PagedCache", input_ids: t
     return MoeCausalLMOutputWithPast(logits=logits, past_key_values=cache)
 
 
-def counts_from_zero(position_ids: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None
-                     ) -> bool:
-    """Whether ``position_ids [B or 1, S]`` number each row's real tokens 0, 1, ... (what padding
-    leaves them, and what ``transformers`` derives from ``attention_mask``): the positions the
-    backend scores them at. Other positions (packed sequences, an offset), a mask with holes or a
-    shape that is not ``input_ids``' are left to the model's own forward."""
-    if (not isinstance(position_ids, torch.Tensor) or not isinstance(input_ids, torch.Tensor)
-            or position_ids.dim() != 2 or input_ids.dim() != 2 or position_ids.shape[1] != input_ids.shape[1]
-            or position_ids.shape[0] not in (1, input_ids.shape[0])):
-        return False
+def spans_numbered_from_zero(position_ids: torch.Tensor, input_ids: torch.Tensor,
+                             attention_mask: torch.Tensor | None) -> list[tuple[int, int]] | None:
+    """The rows' :func:`real_spans` when ``position_ids [B or 1, S]`` number each row's real tokens
+    0, 1, ... (what padding leaves them, and what ``transformers`` derives from ``attention_mask``):
+    the positions the backend scores them at. None for other positions (packed sequences, an
+    offset), a mask with holes or a shape that is not ``input_ids``': those are left to the
+    model's own forward."""
+    if not isinstance(position_ids, torch.Tensor) or position_ids.dim() != 2:
+        return None
     try:
         spans = real_spans(input_ids, attention_mask)
     except ValueError:
-        return False
+        return None
+    if position_ids.shape[1] != input_ids.shape[1] or position_ids.shape[0] not in (1, len(spans)):
+        return None
     positions = position_ids.cpu()
-    return all(torch.equal(positions[b % positions.shape[0], lo:hi], torch.arange(hi - lo, dtype=positions.dtype))
-               for b, (lo, hi) in enumerate(spans))
+    numbered = all(torch.equal(positions[b % positions.shape[0], lo:hi], torch.arange(hi - lo, dtype=positions.dtype))
+                   for b, (lo, hi) in enumerate(spans))
+    return spans if numbered else None
 
 
 def real_spans(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> list[tuple[int, int]]:
