@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .functional import gather_or, hadamard, may_select, rms_norm, rope_tail, row_chunks
+from .functional import gather_or, hadamard, may_select, put_where, rms_norm, rope_tail, row_chunks
 
 _ROW_CHUNK_ELEMS = 1 << 22  # bound the [rows, S, Wc] gather of one chunk (fp32 elements)
 
@@ -107,5 +107,5 @@ def _write_ring(state, kv, score_ape, req_of_row, pos, extend_end, ring: int) ->
         return
     req = req_of_row.long()
     keep = (pos >= extend_end.long() - ring) & (pos >= 0) & (req >= 0) & (req < state.shape[0] // ring)
-    rows = torch.where(keep, req * ring + pos % ring, ring - 1)
-    state[rows] = torch.where(keep.unsqueeze(1), torch.cat([kv, score_ape], dim=1), state[ring - 1])
+    rows = torch.where(keep, req * ring + pos % ring, 0)
+    put_where(state, (rows,), torch.cat([kv, score_ape], dim=1), keep)

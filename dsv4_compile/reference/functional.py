@@ -1,6 +1,6 @@
 """Small math shared by the references, the layer and the oracle: RMSNorm, RoPE (and the two
-fused, ``dsv4::rms_norm_rope``), Walsh-Hadamard,
-and the bounded gather every reference reads index maps, rings and caches through.
+fused, ``dsv4::rms_norm_rope``), Walsh-Hadamard, the bounded gather every reference reads index
+maps, rings and caches through, and the masked row write the caches and rings are written with.
 
 All compute in fp32 and return the input dtype unless stated.
 """
@@ -126,3 +126,28 @@ def gather_or(table: torch.Tensor, index: tuple[torch.Tensor, ...], fill: float)
         return torch.full((*ok.shape, *trailing), fill, dtype=table.dtype, device=table.device)
     got = table[tuple(torch.where(ok, i.long(), 0) for i in index)]
     return torch.where(ok.view(*ok.shape, *(1 for _ in trailing)), got, fill)
+
+
+def put_where(target: torch.Tensor, index: tuple[torch.Tensor, ...], values: torch.Tensor,
+              valid: torch.Tensor) -> None:
+    """``target[index][n] = values[n]`` where ``valid[n]``, nothing written elsewhere, without a
+    host sync or a data-dependent shape (CUDA-graph safe).
+
+    One ``index_put_`` writes every row, so a skipped row needs a target too: it repeats the first
+    valid row's write (same index, same values), or, with no valid row, writes back what its own
+    index holds. Every index written twice in the call then receives identical values, so the
+    result does not depend on the order of duplicate writes (a skipped row sent to a fixed dummy
+    index could otherwise undo a valid row's write there).
+
+    index: one int64 tensor ``[N]`` per leading dim of ``target``, every entry inside its dim
+    (callers map skipped rows anywhere in range); values: ``[N, ...]``; valid: bool ``[N]``.
+    """
+    if valid.shape[0] == 0:
+        return
+    # [1], not a 0-d index: indexing by a 0-d tensor reads its value on the host (a data-dependent
+    # scalar that torch.export cannot trace); a one-element index stays a tensor op
+    first = valid.int().argmax(0, keepdim=True)  # 0 when no row is valid
+    index = tuple(torch.where(valid, i, i[first]) for i in index)
+    rows = (-1, *([1] * (values.dim() - 1)))
+    fill = torch.where(valid[first].view(rows), values[first], target[tuple(i[first] for i in index)])
+    target[index] = torch.where(valid.view(rows), values, fill)

@@ -3,9 +3,9 @@
 Caches are 2-D ``uint8 [N_pages, page_bytes]`` tensors addressed as ``slot -> (slot // P, slot % P)``
 through the page views of :mod:`.quant`. A slot is valid when ``0 <= slot < N_pages * P`` (the
 pages of the tensor given, docs/semantics.md §6): writes skip rows with any other slot, reads
-return zeros for them. Neither synchronises with the host nor has data-dependent shapes: a skipped
-row is redirected to the last slot of the reserved dummy page 0 (which no valid row writes; padding
-rows use slot 0) and writes back what is already there, so the result is deterministic.
+return zeros for them. Neither synchronises with the host nor has data-dependent shapes: writes go
+through :func:`~.functional.put_where`, reads of a skipped slot are redirected to the last slot of
+page 0 and zeroed.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from .functional import may_select
+from .functional import may_select, put_where
 from .quant import (dequantize_index_k, dequantize_model1, index_page_views, model1_page_views,
                     quantize_index_k, quantize_model1)
 
@@ -29,15 +29,6 @@ def _page_offset(slots: torch.Tensor, page_size: int, num_pages: int
     return valid, s // page_size, s % page_size
 
 
-def _scatter(view: torch.Tensor, page: torch.Tensor, off: torch.Tensor, values: torch.Tensor,
-             valid: torch.Tensor) -> None:
-    """``view[page[n], off[n]] = values[n]`` for valid rows; invalid rows rewrite their (dummy)
-    target with its own content."""
-    keep = view[page, off]
-    mask = valid.view(-1, *([1] * (values.dim() - 1)))
-    view[page, off] = torch.where(mask, values, keep)
-
-
 def _store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size: int, views: Callable,
            quantize: Callable) -> None:
     """Write ``quantize(k)``'s fields through the page ``views`` of ``cache``, row n at ``slots[n]``."""
@@ -45,7 +36,7 @@ def _store(cache: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, page_size:
         return
     valid, page, off = _page_offset(slots, page_size, cache.shape[0])
     for view, values in zip(views(cache, page_size), quantize(k)):
-        _scatter(view, page, off, values, valid)
+        put_where(view, (page, off), values, valid)
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor, page_size: int, views: Callable,

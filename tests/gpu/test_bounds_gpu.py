@@ -70,6 +70,11 @@ def test_compress_kv_ignores_nan_in_masked_slots():
     bounds.compress_kv_masked_nan_case(ops, CUDA)
 
 
+
+def test_compress_kv_ring_beside_skipped_rows():
+    bounds.compress_kv_ring_beside_skipped_rows_case(lambda args: ops.compress_kv(**args), CUDA)
+
+
 @pytest.mark.parametrize("d", [512, 128])
 def test_compress_kv_store_guard_pages(d):
     bounds.compress_kv_store_case(ops, CUDA, d)

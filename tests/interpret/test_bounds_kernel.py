@@ -66,6 +66,11 @@ def test_compress_kv_out_of_range_request_rows(device, ratio):
     bounds.compress_kv_bad_rows_case(run, device, ratio)
 
 
+
+def test_compress_kv_ring_beside_skipped_rows(device):
+    bounds.compress_kv_ring_beside_skipped_rows_case(lambda args: KERNELS.compress_kv(**args), device)
+
+
 @pytest.mark.parametrize("d", [512, 128])
 def test_compress_kv_store_skips_out_of_range_slots(device, d):
     bounds.compress_kv_store_case(KERNELS, device, d)

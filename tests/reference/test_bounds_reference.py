@@ -51,6 +51,10 @@ def test_compress_kv_out_of_range_request_rows(ratio):
     bounds.compress_kv_bad_rows_case(lambda args: ops.compress_kv(**args), "cpu", ratio)
 
 
+def test_compress_kv_ring_beside_skipped_rows():
+    bounds.compress_kv_ring_beside_skipped_rows_case(lambda args: ops.compress_kv(**args), "cpu")
+
+
 @pytest.mark.parametrize("d", [512, 128])
 def test_compress_kv_store_skips_out_of_range_slots(d):
     bounds.compress_kv_store_case(ops, "cpu", d)

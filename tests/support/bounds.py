@@ -89,13 +89,15 @@ def _bad_slots(capacity: int, page_size: int, dtype: torch.dtype) -> list[int]:
 def _store_case(impl, device, op: str, page_size: int, page_bytes: int, keys, reference, slot_dtype) -> None:
     """``impl.<op>(cache, slots, k, page_size)`` on a 3-page slice of random bytes with slots
     outside the slice among in-range ones: the slice equals the reference's store of the in-range
-    rows alone, the guard pages are untouched."""
+    rows alone, the guard pages are untouched. The first row writes the last slot of the slice's
+    page 0, where a skipped row must not undo it."""
     gen = _gen(device, page_size + len(op))
     pages = 3
     buf = torch.randint(0, 256, (pages + 2 * GUARD, page_bytes), generator=gen, device=device, dtype=torch.uint8)
     cache, check = guarded(buf, GUARD, GUARD)
     good = cache_inputs.distinct_slots(4, pages, page_size, gen)
     slots = _mixed(good, _bad_slots(pages * page_size, page_size, slot_dtype), gen, slot_dtype)
+    slots = torch.cat([slots.new_tensor([page_size - 1]), slots])
     k = keys(slots.shape[0], gen)
     valid = ((slots >= 0) & (slots < pages * page_size)).cpu()
     want = cache.to("cpu", copy=True)
@@ -318,6 +320,27 @@ def compress_kv_bad_rows_case(run: Callable[[dict], torch.Tensor], device, ratio
     assert torch.equal(_bytes(args["state"][others]), _bytes(before[others])), "a ring row of no real request changed"
     assert torch.isfinite(out.float()).all(), "an out-of-range request read a NaN ring row"
     return out.cpu()
+
+
+def compress_kv_ring_beside_skipped_rows_case(run: Callable[[dict], torch.Tensor], device) -> None:
+    """``run(args)`` = ``compress_kv(**args)`` on two c4 prefills (ring 16) on request rows 0 and
+    1, then a row of request row -1: request 0's 16 tokens fill its whole ring (the last one its
+    last ring row), request 1's first 8 tokens are too old for its ring and the last row is
+    skipped. Every ring row of both requests holds its token's ``[kv | score + ape]`` after the
+    call: no skipped row undoes a write."""
+    gen = _gen(device, 15)
+    ring = 16
+    args = compress_index.compressor_args(4, 128, [16, 24], [16, 24], gen, ring=ring, num_tokens=41)
+    req = args["req_of_row"]  # 1, 2 and the padding row's
+    args["req_of_row"] = torch.where(req > 0, req - 1, -1)
+    args["req_of_row"][-1] = -1
+    kv, score = args["kv"], args["score"]
+    pos = args["seq_lens_causal"].long() - 1
+    rows = torch.cat([torch.arange(16), torch.arange(24, 40)]).to(device)  # the kept tokens, request by request
+    want = torch.cat([kv, score + args["ape"][pos % 4]], dim=1)[rows]
+    run(args)
+    got = args["state"][:2 * ring][torch.cat([pos[:16] % ring, ring + pos[24:40] % ring])]
+    assert torch.equal(got, want), "a skipped row undid a ring write"
 
 
 def compress_kv_masked_nan_case(impl, device) -> torch.Tensor:
