@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ..config import HEAD_DIM, INDEX_HEAD_DIM
+from ..config import HEAD_DIM, INDEX_HEAD_DIM, ROPE_DIM
 from ..reference import compressor as ref
 from ..reference import kv_store
-from ._checks import INDEX_DTYPES, SLOT_DTYPES, check_devices, check_same_rows, check_tensor
+from ._checks import INDEX_DTYPES, SLOT_DTYPES, check_devices, check_non_negative, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
 from .kv_cache import check_index_cache, check_model1_cache, writes_only
 
@@ -44,14 +44,18 @@ def _check_compression(op: str, state, kv, score, ape, req_of_row, seq_lens_caus
                   extend_start=extend_start, extend_end=extend_end, norm_weight=norm_weight, inv_freq=inv_freq)
     if ratio not in (4, 128):
         raise ValueError(f"dsv4.{op}: ratio={ratio} must be 4 or 128")
-    d = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
-    check_tensor(op, "norm_weight", norm_weight, ndim=1)
+    check_tensor(op, "norm_weight", norm_weight, dtypes=_PROJECTION_DTYPES, ndim=1)
+    d = norm_weight.shape[0]
+    if d not in (HEAD_DIM, INDEX_HEAD_DIM):
+        raise ValueError(f"dsv4.{op}: norm_weight has {d} entries: an entry is a MODEL1 key ({HEAD_DIM}) "
+                         f"or an indexer key ({INDEX_HEAD_DIM})")
+    check_non_negative(op, "eps", eps)
     wc = d * (2 if ratio == 4 else 1)
     check_tensor(op, "kv", kv, dtypes=_PROJECTION_DTYPES, ndim=2, shape=(None, wc))
     check_tensor(op, "score", score, dtypes=_PROJECTION_DTYPES, ndim=2, shape=(None, wc))
     check_tensor(op, "ape", ape, dtypes=_F32, ndim=2, shape=(ratio, wc))
     check_tensor(op, "state", state, dtypes=_F32, ndim=2, shape=(None, 2 * wc))
-    check_tensor(op, "inv_freq", inv_freq, dtypes=_F32, ndim=1)
+    check_tensor(op, "inv_freq", inv_freq, dtypes=_F32, ndim=1, shape=(ROPE_DIM // 2,))
     if ring < ref.window_slots(ratio) or state.shape[0] % ring:
         raise ValueError(f"dsv4.{op}: ring={ring} must be >= {ref.window_slots(ratio)} and divide "
                          f"state rows ({state.shape[0]})")
@@ -87,14 +91,10 @@ def _check_compress_kv_store(state, cache, slots, kv, score, ape, req_of_row, se
     _check_compression(op, state, kv, score, ape, req_of_row, seq_lens_causal, extend_start, extend_end, norm_weight,
                        inv_freq, ratio, ring, rotate, eps)
     check_devices(op, state=state, cache=cache, slots=slots)
-    d = norm_weight.shape[0]
-    if d == HEAD_DIM:
+    if norm_weight.shape[0] == HEAD_DIM:
         check_model1_cache(op, "cache", cache, page_size)
-    elif d == INDEX_HEAD_DIM:
-        check_index_cache(op, "cache", cache, page_size)
     else:
-        raise ValueError(f"dsv4.{op}: norm_weight has {d} entries: a stored entry is a MODEL1 key ({HEAD_DIM}) "
-                         f"or an indexer key ({INDEX_HEAD_DIM})")
+        check_index_cache(op, "cache", cache, page_size)
     check_tensor(op, "slots", slots, dtypes=SLOT_DTYPES, ndim=1)
     check_same_rows(op, slots=slots, kv=kv)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .. import layout
-from ..config import INDEX_HEAD_DIM
+from ..config import INDEX_HEAD_DIM, ROPE_DIM
 from ..reference import indexer as ref
 from ._checks import INDEX_DTYPES, check_devices, check_same_rows, check_tensor
 from ._library import HAS_TRITON, dsv4_op
@@ -30,7 +30,7 @@ def _check_prepare(q, weights, positions, inv_freq, weight_scale) -> None:
     check_tensor(op, "weights", weights, dtypes=(torch.bfloat16, torch.float32), ndim=2,
                  shape=(None, q.shape[1]))
     check_tensor(op, "positions", positions, dtypes=INDEX_DTYPES, ndim=1)
-    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1)
+    check_tensor(op, "inv_freq", inv_freq, dtypes=(torch.float32,), ndim=1, shape=(ROPE_DIM // 2,))
     check_same_rows(op, q=q, weights=weights, positions=positions)
 
 

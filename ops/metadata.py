@@ -23,7 +23,8 @@ import torch
 from ..config import PAGE_SIZE
 from ..metadata_chain import MetadataField, empty_outputs, fields_of
 from ..reference import metadata as ref
-from ._checks import INDEX_DTYPES, check_devices, check_multiple_of, check_positive, check_same_rows, check_tensor
+from ._checks import (INDEX_DTYPES, check_devices, check_multiple_of, check_non_negative, check_positive,
+                      check_same_rows, check_tensor)
 from ._library import HAS_TRITON, dsv4_op
 
 if HAS_TRITON:
@@ -131,6 +132,7 @@ def _check_c4(req_of_row, seq_lens_causal, out_cache_loc, topk, num_request_rows
     _check_rows("build_c4_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
                 out_cache_loc=out_cache_loc)
     check_positive("build_c4_metadata", "topk", topk)
+    check_non_negative("build_c4_metadata", "num_request_rows", num_request_rows)
 
 
 def _c4_fake(req_of_row, seq_lens_causal, out_cache_loc, topk, num_request_rows):
@@ -154,6 +156,7 @@ def _check_c128(page_table, req_of_row, seq_lens_causal, out_cache_loc, num_requ
     _check_rows("build_c128_metadata", req_of_row=req_of_row, seq_lens_causal=seq_lens_causal,
                 out_cache_loc=out_cache_loc)
     check_same_rows("build_c128_metadata", page_table=page_table, seq_lens_causal=seq_lens_causal)
+    check_non_negative("build_c128_metadata", "num_request_rows", num_request_rows)
 
 
 def _c128_fake(page_table, req_of_row, seq_lens_causal, out_cache_loc, num_request_rows):

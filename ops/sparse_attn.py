@@ -18,6 +18,7 @@ Shape legend: T = query rows, H = heads, K1 / K2 = index widths (multiples of 64
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Optional
 
@@ -56,7 +57,9 @@ def _check_attn_args(op: str, args: tuple) -> None:
     if any(t is None for t in extras) and not all(t is None for t in extras):
         raise ValueError(f"dsv4.{op}: extra_cache, extra_indices and extra_lengths must be given "
                          "together (or all None for ratio-0 layers)")
-    q, swa, extra, attn_sink, _ = from_op_args(args)
+    q, swa, extra, attn_sink, softmax_scale = from_op_args(args)
+    if not math.isfinite(softmax_scale):
+        raise ValueError(f"dsv4.{op}: softmax_scale={softmax_scale} must be finite")
     check_tensor(op, "q", q, dtypes=(torch.bfloat16,), ndim=3, shape=(None, None, HEAD_DIM))
     check_tensor(op, "attn_sink", attn_sink, dtypes=(torch.float32,), ndim=1, shape=(q.shape[1],))
     _check_kv_set(op, "swa", swa, q.shape[0])
