@@ -3,8 +3,11 @@
 :func:`install` replaces the model instance's ``forward`` (the class is untouched) with one that
 scores a padded batch through the backend when no cache is passed — the way evaluation harnesses
 and scripts call a causal LM; ``position_ids`` too when they number each row's real tokens from 0 —
-and otherwise calls the model's original forward (``generate()`` passes its ``DynamicCache``).
-:func:`uninstall` restores it. docs/model.md, "The model's forward".
+and returns a :class:`~dsv4_compile.hf_cache.DSV4PagedCache` of the batch when ``use_cache=True``
+asks for one. It calls the model's original forward in training mode, for outputs the backend does
+not make (hidden states, attentions, router logits: asked for by keyword or by the model's config)
+and with a ``transformers`` cache. :func:`uninstall` restores it. docs/model.md, "The model's
+forward".
 
 Padding: each row is scored over its real tokens only (the ``attention_mask`` ones, which must be
 one contiguous run: left or right padding), at positions counted from 0; padded positions' logits
@@ -24,6 +27,8 @@ if TYPE_CHECKING:
 
 # Keywords the backend path accepts as the model's forward does, with no effect on the result.
 _NEUTRAL = ("use_cache", "return_dict")
+# Outputs only the original forward makes; each defaults to the model config's attribute of that name.
+_ORIGINAL_OUTPUTS = ("output_hidden_states", "output_attentions", "output_router_logits")
 
 
 def install(backend: "ModelBackend") -> None:
@@ -36,16 +41,21 @@ def install(backend: "ModelBackend") -> None:
     @functools.wraps(original)
     def forward(input_ids=None, attention_mask=None, position_ids=None, past_key_values=None, inputs_embeds=None,
                 labels=None, logits_to_keep: int | torch.Tensor = 0, **kwargs):
+        return_dict = kwargs.get("return_dict")
+        return_dict = getattr(model.config, "return_dict", True) if return_dict is None else return_dict
         if isinstance(past_key_values, DSV4PagedCache):
             out = cache_forward(backend, past_key_values, input_ids, attention_mask, logits_to_keep,
                                 inputs_embeds=inputs_embeds, labels=labels, **kwargs)
-            return out if kwargs.get("return_dict", True) else out.to_tuple()
-        others = (past_key_values, inputs_embeds, *(v for k, v in kwargs.items() if k not in _NEUTRAL))
-        if input_ids is not None and not any(v is not None and v is not False for v in others):
+            return out if return_dict else out.to_tuple()
+        if on_backend(model, input_ids, past_key_values, inputs_embeds, kwargs):
             spans = None if position_ids is None else spans_numbered_from_zero(position_ids, input_ids, attention_mask)
             if position_ids is None or spans is not None:
-                out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep, spans)
-                return out if kwargs.get("return_dict", True) else out.to_tuple()
+                if kwargs.get("use_cache") is True:  # a cache asked for: the batch's rows stay in one
+                    out = cache_forward(backend, DSV4PagedCache(backend), input_ids, attention_mask, logits_to_keep)
+                    out.loss = loss_of(model, out.logits, labels)
+                else:
+                    out = backend_forward(backend, input_ids, attention_mask, labels, logits_to_keep, spans)
+                return out if return_dict else out.to_tuple()
         if backend.device_mesh is not None:
             # transformers' attention broadcasts its one KV head to every query head of the model
             raise ValueError("this call runs transformers' own forward, which does not run on a model whose "
@@ -58,6 +68,19 @@ def install(backend: "ModelBackend") -> None:
 
     forward.dsv4_backend = backend  # marks the replacement (uninstall removes only its own)
     model.forward = forward
+
+
+def on_backend(model: torch.nn.Module, input_ids: torch.Tensor | None, past_key_values, inputs_embeds,
+               kwargs: dict) -> bool:
+    """Whether a call without a ``DSV4PagedCache`` may run on the backend: ``input_ids`` given, the
+    model in eval mode (training needs the original, differentiable forward), no cache of another
+    kind, no ``inputs_embeds``, no option beyond :data:`_NEUTRAL`, and none of
+    :data:`_ORIGINAL_OUTPUTS` on, passed or from the model's config."""
+    if input_ids is None or model.training or past_key_values is not None or inputs_embeds is not None:
+        return False
+    if any(v is not None and v is not False for k, v in kwargs.items() if k not in _NEUTRAL + _ORIGINAL_OUTPUTS):
+        return False
+    return not any(getattr(model.config, k, False) if kwargs.get(k) is None else kwargs[k] for k in _ORIGINAL_OUTPUTS)
 
 
 def uninstall(backend: "ModelBackend") -> None:
@@ -85,9 +108,13 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
         logits[b, slice(*spans[b])] = row_logits
     keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) else logits_to_keep
     logits = logits[:, keep]
-    model = backend.model
-    loss = None if labels is None else model.loss_function(logits, labels, model.config.vocab_size)
-    return MoeCausalLMOutputWithPast(loss=loss, logits=logits)
+    return MoeCausalLMOutputWithPast(loss=loss_of(backend.model, logits, labels), logits=logits)
+
+
+def loss_of(model: torch.nn.Module, logits: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor | None:
+    """The model's own ``loss_function`` of ``logits [B, S, vocab]`` against ``labels [B, S]`` (shifted
+    inside, -100 ignored), as ``transformers`` computes it; None without labels."""
+    return None if labels is None else model.loss_function(logits, labels, model.config.vocab_size)
 
 
 def cache_forward(backend: "ModelBackend", cache: "DSV4PagedCache", input_ids: torch.Tensor,

@@ -130,3 +130,59 @@ def test_an_attention_mask_with_holes_is_refused(backend):
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 5\), input_ids \(1, 6\)"):
         backend.model(ids, attention_mask=torch.ones(1, 5))
     assert not backend.allocator.active_rows
+
+
+def test_use_cache_returns_a_paged_cache_a_decode_loop_continues(backend):
+    """``model(ids, use_cache=True)`` returns the batch's rows in a ``DSV4PagedCache``: a
+    hand-written greedy loop that feeds it back one token at a time gives ``generate()``'s tokens,
+    and the rows go back when the cache is dropped."""
+    from dsv4_compile.hf_cache import DSV4PagedCache
+
+    model, prompt = backend.model, ids_of(10, 10).unsqueeze(0)
+    want = model.generate(prompt, max_new_tokens=4, do_sample=False)[0, 10:].tolist()
+    out = model(prompt, use_cache=True, labels=prompt)
+    assert isinstance(out.past_key_values, DSV4PagedCache) and len(backend.allocator.active_rows) == 1
+    torch.testing.assert_close(out.loss, model(prompt, labels=prompt).loss, atol=0, rtol=0)
+    got = []
+    for _ in range(4):
+        got.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[got[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    assert got == want
+    del out
+    assert not backend.allocator.active_rows
+
+
+@pytest.mark.parametrize("flag", ["output_router_logits", "output_hidden_states"])
+def test_outputs_asked_for_by_the_config_run_the_original_forward(backend, flag):
+    """An output the backend does not make, asked for by the model's config rather than by keyword,
+    runs the original forward (its router logits or hidden states, its loss with the router's
+    auxiliary term), as the keyword does."""
+    model, ids = backend.model, ids_of(8, 11).unsqueeze(0)
+    original = type(model).forward.__get__(model)
+    setattr(model.config, flag, True)
+    try:
+        got = model(ids, labels=ids)
+        want = original(ids, labels=ids)
+    finally:
+        setattr(model.config, flag, False)
+    key = "router_logits" if flag == "output_router_logits" else "hidden_states"
+    assert got[key] is not None
+    torch.testing.assert_close(got.loss, want.loss, atol=0, rtol=0)
+    torch.testing.assert_close(got.logits, want.logits, atol=0, rtol=0)
+
+
+def test_training_mode_runs_the_original_differentiable_forward(backend):
+    """In training mode the forward is the original one: its loss has a graph to backpropagate
+    through (the backend's is inference-only), equal to the class forward's."""
+    model, ids = backend.model, ids_of(8, 12).unsqueeze(0)
+    model.train().requires_grad_(True)
+    try:
+        with torch.enable_grad():  # tests/model/conftest.py runs every test under no_grad
+            loss = model(ids, labels=ids).loss
+            want = type(model).forward(model, ids, labels=ids).loss
+            model.eval()
+            assert not model(ids, labels=ids).loss.requires_grad
+    finally:
+        model.eval().requires_grad_(False)
+    assert loss.requires_grad
+    torch.testing.assert_close(loss, want, atol=0, rtol=0)
