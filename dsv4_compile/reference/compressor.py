@@ -87,7 +87,9 @@ def _pool_rows(state, kv, score_ape, req_of_row, pos, extend_start, rows: torch.
     t = p - (slots - 1) + torch.arange(slots, device=kv.device)  # [C, S] token positions
     in_step = t >= extend_start[rows].long().unsqueeze(1)
     batch_row = torch.where(in_step & (t >= 0), rows.unsqueeze(1) - (p - t), -1)
-    ring_row = torch.where(~in_step & (t >= 0), req_of_row[rows].long().unsqueeze(1) * ring + t % ring, -1)
+    req = req_of_row[rows].long().unsqueeze(1)
+    known = (req >= 0) & (req < state.shape[0] // ring)  # before the product, which a huge row would overflow
+    ring_row = torch.where(~in_step & (t >= 0) & known, req * ring + t % ring, -1)
     sel = in_step.unsqueeze(-1)
     a = torch.where(sel, gather_or(kv, (batch_row,), 0.0), gather_or(state[:, :wc], (ring_row,), 0.0))  # [C, S, Wc]
     s = torch.where(sel, gather_or(score_ape, (batch_row,), float("-inf")),

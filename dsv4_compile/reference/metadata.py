@@ -29,6 +29,7 @@ from ..metadata_chain import FIELD_NAMES, c128_columns, run_chain
 from .functional import gather_or
 
 _I32 = torch.int32
+_I32_MIN, _I32_MAX = torch.iinfo(_I32).min, torch.iinfo(_I32).max
 
 
 def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: torch.Tensor,
@@ -44,7 +45,9 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     this step), ``extend_end = L_b`` and ``positions`` (padding rows: request 0, position 0). Every
     layer's RoPE reads ``positions``: produced here, a compiled step holds it in one buffer, where
     ``seq_lens_causal - 1`` in the graph would be recomputed into a buffer of its own for each op
-    that reads it (Inductor does not keep a cheap pointwise result for extern kernels).
+    that reads it (Inductor does not keep a cheap pointwise result for extern kernels). From int64
+    inputs, a request row past int32's range becomes -1 (out of range, docs/semantics.md §6) and
+    lengths and positions past it saturate, rather than wrap onto another request or position.
     """
     num_tokens, device = out_cache_loc.shape[0], req_rows.device
     q = torch.arange(num_tokens, device=device)
@@ -57,10 +60,16 @@ def expand_queries(req_rows: torch.Tensor, seq_lens: torch.Tensor, extend_lens: 
     e_b, l_b = extend_lens.long()[b], seq_lens.long()[b]
     start = l_b - e_b
     pos = start + (q - (ends[b] - e_b))
-    req = torch.where(real, req_rows.long()[b], 0)
+    req = req_rows.long()[b]
+    req = torch.where(real, torch.where((req >= _I32_MIN) & (req <= _I32_MAX), req, -1), 0)
     seq_causal = torch.where(real, pos + 1, 1)
-    return (req.to(_I32), seq_causal.to(_I32), torch.where(real, start, 0).to(_I32),
-            torch.where(real, l_b, 1).to(_I32), (seq_causal - 1).to(_I32))
+    return (req.to(_I32), _saturated(seq_causal), _saturated(torch.where(real, start, 0)),
+            _saturated(torch.where(real, l_b, 1)), _saturated(seq_causal - 1))
+
+
+def _saturated(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (int64) as int32, values past int32's range clamped to its ends rather than wrapped."""
+    return x.clamp(_I32_MIN, _I32_MAX).to(_I32)
 
 
 def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
@@ -72,14 +81,14 @@ def page_map(req_to_token: torch.Tensor) -> torch.Tensor:
 def build_page_table(req_to_page: torch.Tensor, req_of_row: torch.Tensor,
                      seq_lens_causal: torch.Tensor) -> torch.Tensor:
     """``page_table[q, i] = req_to_page[req_q, i]`` (= ``req_to_token[req_q, 256 i] // 256``) for
-    the pages holding positions ``< seq_lens_causal[q]``, 0 past them and for request rows outside
-    ``[0, R)``: [T, NP] int32 (docs/semantics.md §3.3, §6).
+    the pages holding positions ``< seq_lens_causal[q]``, 0 past them, for request rows outside
+    ``[0, R)`` and for pages past int32's range: [T, NP] int32 (docs/semantics.md §3.3, §6).
     Every reader (c4 indexer, c128 indices) stays inside that prefix; a row of the compact page
     map is contiguous, so the table is a masked row copy."""
     i = torch.arange(req_to_page.shape[1], device=req_of_row.device)
     live = i * PAGE_SIZE < seq_lens_causal.long().unsqueeze(1)
-    pages = gather_or(req_to_page, (req_of_row.long().unsqueeze(1), i), 0)
-    return torch.where(live, pages, 0).to(_I32)
+    pages = gather_or(req_to_page, (req_of_row.long().unsqueeze(1), i), 0).long()
+    return torch.where(live & (pages >= _I32_MIN) & (pages <= _I32_MAX), pages, 0).to(_I32)
 
 
 def build_swa_metadata(req_to_token: torch.Tensor, full_to_swa: torch.Tensor, req_of_row: torch.Tensor,
@@ -111,10 +120,11 @@ def _known(req_of_row: torch.Tensor, num_request_rows: int) -> torch.Tensor:
 def _compressed_out_loc(req_of_row: torch.Tensor, seq_lens_causal: torch.Tensor, out_cache_loc: torch.Tensor,
                         ratio: int, num_request_rows: int) -> torch.Tensor:
     """``out_cache_loc // ratio`` for a row completing a window (a positive multiple of ``ratio``
-    tokens) with a non-negative out slot and a request row in ``[0, num_request_rows)``, else -1:
-    int32 [T]."""
+    tokens) with a non-negative out slot whose quotient fits int32 and a request row in
+    ``[0, num_request_rows)``, else -1: int32 [T]."""
     seq, loc = seq_lens_causal.long(), out_cache_loc.long()
-    writes = (seq > 0) & (seq % ratio == 0) & (loc >= 0) & _known(req_of_row.long(), num_request_rows)
+    writes = ((seq > 0) & (seq % ratio == 0) & (loc >= 0) & (loc // ratio <= _I32_MAX)
+              & _known(req_of_row.long(), num_request_rows))
     return torch.where(writes, loc // ratio, -1).to(_I32)
 
 
@@ -140,7 +150,7 @@ def build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_
     Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1, and -1
     for a negative out slot or a request row outside ``[0, R)``), ``c128_indices [T, ceil64(2 NP)]
     int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2`` for
-    ``j < (pos + 1) // 128``, else -1) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
+    ``j < (pos + 1) // 128``, else -1, and -1 for a negative page or one whose slots pass int32) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
     """
     seq = seq_lens_causal.long()
     out_loc = _compressed_out_loc(req_of_row, seq_lens_causal, out_cache_loc, 128, num_request_rows)
@@ -148,7 +158,8 @@ def build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_
     j = torch.arange(c128_columns(page_table.shape[1]), device=seq.device)  # [K]
     page = page_table.long()[:, (j // 2).clamp_max(page_table.shape[1] - 1)]  # [T, K]
     visible = (seq // 128).unsqueeze(1)
-    indices = torch.where((j < visible) & (j < n_entries), page * 2 + j % 2, -1).to(_I32)
+    fits = (page >= 0) & (page <= (_I32_MAX - 1) // 2)  # a slot past int32 would wrap onto another entry
+    indices = torch.where((j < visible) & (j < n_entries) & fits, page * 2 + j % 2, -1).to(_I32)
     return out_loc, indices, (seq // 128).clamp_min(1).to(_I32)
 
 

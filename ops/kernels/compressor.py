@@ -115,7 +115,7 @@ def _pool_kernel(kv_ptr, score_ptr, ape_ptr, state_ptr, req_ptr, seq_ptr, start_
     # the G rows' scalars in one memory round trip, then a loop over the (few) window rows only:
     # each of its scalars is a masked register reduction, no memory access
     ps = tl.load(seq_ptr + rows, mask=live, other=0).to(tl.int32) - 1
-    reqs = tl.load(req_ptr + rows, mask=live, other=0).to(tl.int32)
+    reqs = tl.load(req_ptr + rows, mask=live, other=0).to(tl.int64)  # a huge int64 row must not wrap into range
     starts = tl.load(start_ptr + rows, mask=live, other=0).to(tl.int32)
     windows = (live & ((ps + 1) % RATIO == 0)).to(tl.int32)
     rank = tl.cumsum(windows, 0) * windows  # k + 1 on the k-th window row, 0 elsewhere

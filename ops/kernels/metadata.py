@@ -29,6 +29,7 @@ from ...config import PAGE_SIZE, SWA_WINDOW
 from ...metadata_chain import empty_outputs
 
 _MAX_BLOCK = 1024  # columns per program for the wide outputs
+_I32_MIN, _I32_MAX = tl.constexpr(-2**31), tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -60,11 +61,20 @@ def _expand_row(q, req_rows_ptr, seq_lens_ptr, extend_lens_ptr, B, BLOCK_B: tl.c
         total += tl.sum(e, axis=0)
     real = q < total
     b = tl.minimum(count, B - 1)
-    e_b = tl.load(extend_lens_ptr + b, mask=real, other=0).to(tl.int32)
-    end = tl.load(seq_lens_ptr + b, mask=real, other=1).to(tl.int32)
-    req = tl.load(req_rows_ptr + b, mask=real, other=0).to(tl.int32)
+    e_b = tl.load(extend_lens_ptr + b, mask=real, other=0).to(tl.int64)
+    end = tl.load(seq_lens_ptr + b, mask=real, other=1).to(tl.int64)
+    req = tl.load(req_rows_ptr + b, mask=real, other=0).to(tl.int64)
+    # int64 inputs: a request row past int32 is out of range, lengths and positions saturate (the reference's rule)
+    req = tl.where((req >= _I32_MIN) & (req <= _I32_MAX), req, -1).to(tl.int32)
     start = tl.where(real, end - e_b, 0)
-    return req, tl.where(real, start + (q - first_row) + 1, 1), start, end
+    seq = tl.where(real, start + (q - first_row) + 1, 1)
+    return req, _saturated(seq), _saturated(start), _saturated(end)
+
+
+@triton.jit
+def _saturated(x):
+    """int64 ``x`` as int32, clamped to int32's range rather than wrapped."""
+    return tl.minimum(tl.maximum(x, _I32_MIN), _I32_MAX).to(tl.int32)
 
 
 @triton.jit
@@ -77,11 +87,12 @@ def _known(req, R):
 @triton.jit
 def _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE: tl.constexpr):
     """Full-pool pages ``req_to_page[req, i]`` of page indices ``i`` holding positions below
-    ``seq`` (0 past them, past NP and for a request row outside ``[0, R)``): a contiguous read of
-    the row's live pages only."""
+    ``seq`` (0 past them, past NP, for a request row outside ``[0, R)`` and for a page past
+    int32's range), int32: a contiguous read of the row's live pages only."""
     known = _known(req, R)
-    return tl.load(req_to_page_ptr + req.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pp,
-                   mask=(i < NP) & (i * PAGE < seq) & known, other=0)
+    page = tl.load(req_to_page_ptr + req.to(tl.int64) * stride_pr + i.to(tl.int64) * stride_pp,
+                   mask=(i < NP) & (i * PAGE < seq) & known, other=0).to(tl.int64)
+    return tl.where((page >= _I32_MIN) & (page <= _I32_MAX), page, 0).to(tl.int32)
 
 
 @triton.jit
@@ -114,7 +125,7 @@ def _compressed_out_loc(req, seq, loc, R, RATIO: tl.constexpr):
     """``loc // RATIO`` for a row completing a window (``seq`` a positive multiple of RATIO) with
     a non-negative out slot and a request row in ``[0, R)``, else -1 (int32)."""
     loc = loc.to(tl.int64)
-    writes = (seq > 0) & (seq % RATIO == 0) & (loc >= 0) & _known(req, R)
+    writes = (seq > 0) & (seq % RATIO == 0) & (loc >= 0) & (loc // RATIO <= _I32_MAX) & _known(req, R)
     return tl.where(writes, loc // RATIO, -1).to(tl.int32)
 
 
@@ -130,9 +141,9 @@ def _c4_fields(req, seq, loc, R, topk):
 def _c128_block(q, j, visible, page, indices_ptr, NP, K):
     """c128 entries j of row q: ``page * 2 + j % 2`` (``page`` = page_table[q, j // 2]) while
     ``j < (pos + 1) // 128``, -1 after (up to the width K)."""
-    valid = (j < visible) & (j < 2 * NP)
-    tl.store(indices_ptr + q * K + j, tl.where(valid, page.to(tl.int64) * 2 + j % 2, -1).to(tl.int32),
-             mask=j < K)
+    page = page.to(tl.int64)
+    valid = (j < visible) & (j < 2 * NP) & (page >= 0) & (page <= (_I32_MAX - 1) // 2)
+    tl.store(indices_ptr + q * K + j, tl.where(valid, page * 2 + j % 2, -1).to(tl.int32), mask=j < K)
 
 
 @triton.jit
@@ -163,7 +174,7 @@ def _page_table_kernel(req_to_page_ptr, req_of_row_ptr, seq_ptr, page_table_ptr,
     i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     req = tl.load(req_of_row_ptr + q)
     page = _page_block(req_to_page_ptr, req, tl.load(seq_ptr + q), i, stride_pr, stride_pp, R, NP, PAGE)
-    tl.store(page_table_ptr + q * NP + i, page.to(tl.int32), mask=i < NP)
+    tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
 
 
 @triton.jit
@@ -229,7 +240,7 @@ def _step_metadata_kernel(
     swa, loc_swa = _swa_window(req, seq, loc, req_to_token_ptr, full_to_swa_ptr, stride_rr, stride_rl, stride_f, R,
                                L, n_swa, blk == 0, W)
     i = blk * BLOCK + tl.arange(0, BLOCK)
-    page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE).to(tl.int32)
+    page = _page_block(req_to_page_ptr, req, seq, i, stride_pr, stride_pp, R, NP, PAGE)
     tl.store(page_table_ptr + q * NP + i, page, mask=i < NP)
     visible = _floor_div(seq, 128)
     j = 2 * i[:, None] + tl.arange(0, 2)[None, :]  # [BLOCK, 2]: entries of page i

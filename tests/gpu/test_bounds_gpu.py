@@ -83,3 +83,7 @@ def test_compress_kv_store_guard_pages(d):
 @pytest.mark.parametrize("narrow", [False, True])
 def test_indexer_topk_guard_pages(narrow):
     bounds.indexer_topk_case(ops, CUDA, narrow)
+
+
+def test_int64_values_past_int32():
+    bounds.int64_past_int32_case(ops, CUDA)

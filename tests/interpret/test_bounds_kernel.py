@@ -87,3 +87,7 @@ def test_indexer_topk_pages_outside_the_cache(device, monkeypatch, narrow):
     monkeypatch.setattr(topk_select, "_SELECT_PROGRAMS", 16)
     monkeypatch.setattr(topk_select, "_BLOCK", 128)
     bounds.indexer_topk_case(KERNELS, device, narrow)
+
+
+def test_int64_values_past_int32(device):
+    bounds.int64_past_int32_case(KERNELS, device)

@@ -67,3 +67,7 @@ def test_compress_kv_ignores_nan_in_masked_slots():
 @pytest.mark.parametrize("narrow", [False, True])
 def test_indexer_topk_pages_outside_the_cache(narrow):
     bounds.indexer_topk_case(ops, "cpu", narrow)
+
+
+def test_int64_values_past_int32():
+    bounds.int64_past_int32_case(ops, "cpu")

@@ -361,6 +361,32 @@ def compress_kv_masked_nan_case(impl, device) -> torch.Tensor:
     return got.cpu()
 
 
+def int64_past_int32_case(impl, device) -> None:
+    """int64 index values past int32's range are out of range, not wrapped onto an in-range value
+    (the metadata outputs are int32): a request row of 2^32 + 1 expands to -1 and a length of 2^33
+    saturates; an out slot of 2^34 + 20 writes no compressed entry; a page of 2^62 + 3 or below
+    -2^31 gives no c128 entry, and one of 2^40 in ``req_to_page`` no page; a compressor row of
+    request row 2^60 + 2 reads no ring row (its entry equals that of request row -1)."""
+    i64 = dict(dtype=torch.int64, device=device)
+    top = torch.iinfo(torch.int32).max
+    req, seq, *_ = impl.expand_queries(torch.tensor([2**32 + 1, 1], **i64), torch.tensor([40, 2**33], **i64),
+                                       torch.ones(2, **i64), torch.zeros(2, **i64))
+    assert req.tolist() == [-1, 1] and seq.tolist() == [40, top]
+    one = torch.ones(1, **i64)
+    c4_out, *_ = impl.build_c4_metadata(one, 4 * one, torch.tensor([2**34 + 20], **i64), 64, 3)
+    assert c4_out.tolist() == [-1]
+    pages = torch.tensor([[2**62 + 3, -2**31 - 5, 7]], **i64)
+    _, c128, _ = impl.build_c128_metadata(pages, one, 768 * one, -one, 3)
+    assert c128[0, :6].tolist() == [-1, -1, -1, -1, 14, 15]
+    table = impl.build_page_table(torch.tensor([[2**40, 7]], **i64), 0 * one, 512 * one)
+    assert table.tolist() == [[0, 7]]
+    args = compress_index.compressor_args(4, 128, [8, 8], [1, 1], _gen(device, 16), ring=16)  # 3 ring rows
+    far, off = dict(args, state=args["state"].clone()), dict(args, state=args["state"].clone())
+    far["req_of_row"] = torch.full_like(args["req_of_row"], 2**60 + 2, dtype=torch.int64)
+    off["req_of_row"] = torch.full_like(args["req_of_row"], -1)
+    assert torch.equal(impl.compress_kv(**far), impl.compress_kv(**off))
+
+
 # -- indexer ----------------------------------------------------------------------------------------
 _TOPK_PAGES = 6  # pages of the index cache slice
 
