@@ -98,8 +98,7 @@ class StepInputs:
                              f"{[t.shape[0] for t in per_request.values()]}")
         loc = _index_vector("out_cache_loc", out_cache_loc, torch.int64, device)
         if num_tokens is not None:
-            if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-                raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+            _check_token_count(num_tokens)
             if num_tokens < loc.shape[0]:
                 raise ValueError(f"num_tokens={num_tokens} is less than the {loc.shape[0]} real tokens")
             loc = torch.cat([loc, loc.new_zeros(num_tokens - loc.shape[0])])
@@ -107,6 +106,8 @@ class StepInputs:
 
     @classmethod
     def idle(cls, num_tokens: int = 0, device=None) -> "StepInputs":
+        """A step of ``num_tokens`` padding rows and no request."""
+        _check_token_count(num_tokens)
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return cls(ForwardMode.IDLE, empty, empty, empty,
                    torch.zeros(num_tokens, dtype=torch.int64, device=device))
@@ -118,13 +119,27 @@ def check_mode(mode) -> None:
         raise TypeError(f"mode must be a ForwardMode, got {type(mode).__name__}")
 
 
+def _check_token_count(num_tokens) -> None:
+    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
+        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+
+
 def _index_vector(name: str, values, dtype: torch.dtype, device) -> torch.Tensor:
-    """``values`` (integers: a sequence, a scalar or a 0-d / 1-D tensor) as a 1-D ``dtype`` tensor."""
-    t = torch.as_tensor(values, device=device)
+    """``values`` (integers: a sequence, a scalar or a 0-d / 1-D tensor) as a 1-D ``dtype`` tensor;
+    a value outside ``dtype``'s range is refused (a cast would wrap it onto another row or length)."""
+    try:
+        t = torch.as_tensor(values, device=device)
+    except (OverflowError, RuntimeError, ValueError) as e:  # an integer past int64
+        raise ValueError(f"{name}: {e}") from None
     if t.numel() and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise TypeError(f"{name} must hold integers, got {t.dtype}")
     if t.dim() > 1:
         raise ValueError(f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    limits = torch.iinfo(dtype)
+    if t.numel() and t.dtype != dtype and not (limits.min <= int(t.min()) and int(t.max()) <= limits.max):
+        raise ValueError(f"{name} holds values outside {dtype}'s range [{limits.min}, {limits.max}]")
     return t.to(dtype).reshape(-1)
 
 

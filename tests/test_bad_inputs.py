@@ -86,6 +86,10 @@ MAKE_CASES = [
     Case("make-lengths-differ", _make(extend_lens=[1, 1]), ValueError, ("extend_lens",)),
     Case("make-num-tokens-short", _make(out_cache_loc=[300, 301], num_tokens=1), ValueError, ("num_tokens",)),
     Case("make-num-tokens-float", _make(num_tokens=2.0), TypeError, ("num_tokens",)),
+    Case("make-row-past-int32", _make(req_rows=[2**32 + ROW]), ValueError, ("req_rows",)),
+    Case("make-length-past-int32", _make(seq_lens=torch.tensor([2**32 + LENGTH])), ValueError, ("seq_lens",)),
+    Case("make-row-past-int64", _make(req_rows=[2**70]), ValueError, ("req_rows",)),
+    Case("make-idle-negative", lambda eng: StepInputs.idle(-1), ValueError, ("num_tokens",)),
 ]
 
 
