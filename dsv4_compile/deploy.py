@@ -162,6 +162,8 @@ def load(path: str | os.PathLike, *, max_requests: int | None = None, max_seq_le
 
 def _first_model(path: str) -> str:
     """The name of one model the package holds (every model carries the same metadata)."""
+    if not zipfile.is_zipfile(path):
+        raise PackageError(f"{path}: not an AOTInductor package (not a zip archive)")
     with zipfile.ZipFile(path) as archive:
         for name in archive.namelist():
             parts = name.split("/")

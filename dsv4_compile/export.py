@@ -51,6 +51,8 @@ PROGRAMS = ("extend", "decode")
 # order of fused reductions: docs/deploy.md, "Numerics").
 EXACT_NUMERICS = {"emulate_precision_casts": True}
 STEP_INPUTS = ("input_ids", "req_rows", "seq_lens", "extend_lens", "out_cache_loc", "logit_rows")
+# Sizes of the tracing examples: above 1, which torch.export would specialise on.
+_EXAMPLE_REQUESTS, _EXAMPLE_TOKENS = 2, 3
 # A package calls the ATen ops Inductor does not generate code for through AOTInductor's C shim.
 # torch 2.11's CUDA shim has no ``_grouped_mm`` (2.13's has), so a GPU package of the grouped
 # experts fails to compile there; it is exported with this implementation instead.
@@ -66,6 +68,12 @@ class ExportLimits:
 
     max_tokens: int
     max_batch: int
+
+    def __post_init__(self):
+        for name in ("max_tokens", "max_batch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ExportLimits.{name}={value!r} must be an int >= 1")
 
 
 def default_limits(backend: ModelBackend) -> ExportLimits:
@@ -107,19 +115,22 @@ def example_inputs(backend: ModelBackend, program: str) -> tuple[torch.Tensor, .
     if program not in PROGRAMS:
         raise ValueError(f"program={program!r}: expected one of {PROGRAMS}")
     device = backend.cache.device
-    tokens = 2 if program == "decode" else 3
+    tokens = _EXAMPLE_REQUESTS if program == "decode" else _EXAMPLE_TOKENS
     i32 = dict(dtype=torch.int32, device=device)
-    step = (torch.zeros(tokens, dtype=torch.int64, device=device), torch.zeros(2, **i32),
-            torch.zeros(2, **i32), torch.zeros(2, **i32), torch.zeros(tokens, dtype=torch.int64, device=device),
-            torch.zeros(2, dtype=torch.int64, device=device))
+    step = (torch.zeros(tokens, dtype=torch.int64, device=device), torch.zeros(_EXAMPLE_REQUESTS, **i32),
+            torch.zeros(_EXAMPLE_REQUESTS, **i32), torch.zeros(_EXAMPLE_REQUESTS, **i32),
+            torch.zeros(tokens, dtype=torch.int64, device=device),
+            torch.zeros(_EXAMPLE_REQUESTS, dtype=torch.int64, device=device))
     return (*step, *backend.cache.buffers())
 
 
 def dynamic_shapes(program: str, limits: ExportLimits, num_cache: int) -> tuple:
-    """``torch.export`` dynamic shapes of ``program``'s inputs: T, B, R symbolic from 1 (decode: T is B)."""
-    batch = Dim("requests", min=1, max=limits.max_batch)
-    tokens = batch if program == "decode" else Dim("tokens", min=1, max=limits.max_tokens)
-    rows = Dim("logit_rows", min=1, max=limits.max_tokens)
+    """``torch.export`` dynamic shapes of ``program``'s inputs: T, B, R symbolic from 1 (decode: T is B)
+    up to the limits, or up to the example sizes where those are larger (a limit of 1 cannot bound a
+    symbolic size, and the examples must be above 1 to stay symbolic); ``deploy`` enforces the limits."""
+    batch = Dim("requests", min=1, max=max(limits.max_batch, _EXAMPLE_REQUESTS))
+    tokens = batch if program == "decode" else Dim("tokens", min=1, max=max(limits.max_tokens, _EXAMPLE_TOKENS))
+    rows = Dim("logit_rows", min=1, max=max(limits.max_tokens, _EXAMPLE_REQUESTS))
     return ({0: tokens}, {0: batch}, {0: batch}, {0: batch}, {0: tokens}, {0: rows}, (None,) * num_cache)
 
 

@@ -45,6 +45,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.out.suffix != ".pt2":
         raise InputError(f"--out {args.out}: a package file ends in .pt2")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        raise InputError(f"--max-tokens {args.max_tokens}: a step has at least 1 query row")
     args.programs = tuple(args.programs.split(","))
     if not args.programs or any(name not in PROGRAMS for name in args.programs):
         raise InputError(f"--programs {','.join(args.programs)}: expected names from {', '.join(PROGRAMS)}")
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> str:
     except (ValueError, RuntimeError) as e:
         raise InputError(str(e).splitlines()[0]) from None
     limits = default_limits(backend)
-    if args.max_tokens:
+    if args.max_tokens is not None:
         limits = ExportLimits(args.max_tokens, limits.max_batch)
     return package(backend, args.out, args.programs, limits=limits, inline_ops=not args.custom_ops)
 

@@ -214,6 +214,10 @@ def test_metadata_and_capacity_checks(package_path, tmp_path):
         z.writestr("other/data/readme.txt", "x")
     with pytest.raises(deploy.PackageError, match="not an AOTInductor package"):
         deploy.load(not_a_package)
+    not_a_zip = tmp_path / "text.pt2"
+    not_a_zip.write_text("not a package")
+    with pytest.raises(deploy.PackageError, match="not an AOTInductor package"):
+        deploy.load(not_a_zip)
 
 
 def test_steps_beyond_the_package_limits_are_refused(package_path):
@@ -300,3 +304,17 @@ def test_cpp_runner_refuses_what_is_not_a_package(cpp_runner, tmp_path):
     assert done.returncode == 1 and done.stderr.startswith("dsv4_generate: ")
     done = subprocess.run([str(cpp_runner)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "usage" in done.stderr
+
+
+def test_export_limits_of_one_request_and_one_token(checkpoint):
+    """Limits of 1 (a cache of one request row, ``--max-requests 1``) export: the symbolic sizes
+    reach the tracing examples' 2 (``deploy`` enforces the limits), and the decode program runs a
+    one-request step; limits below 1 are refused by name."""
+    backend = enable(load_tiny_hf(checkpoint), max_requests=1, max_seq_len=256)
+    program = export.export_steps(backend, ("decode",), limits=export.ExportLimits(1, 1))["decode"]
+    assert {(r.lower, r.upper) for r in program.range_constraints.values()} == {(1, 2)}
+    step = [t[:1] for t in export.example_inputs(backend, "decode")[:len(export.STEP_INPUTS)]]
+    logits = program.module()(*step, *backend.cache.buffers())
+    assert logits.shape == (1, backend.vocab_size) and torch.isfinite(logits.float()).all()
+    with pytest.raises(ValueError, match="ExportLimits.max_tokens=0 must be an int >= 1"):
+        export.ExportLimits(0, 1)
