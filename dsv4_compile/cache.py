@@ -74,6 +74,10 @@ class DSV4Cache(nn.Module):
     def __init__(self, config: DSV4AttnConfig, *, max_requests: int, max_seq_len: int,
                  num_full_pages: int | None = None, num_swa_pages: int | None = None, device=None):
         super().__init__()
+        for name, value in (("max_requests", max_requests), ("max_seq_len", max_seq_len),
+                            ("num_full_pages", num_full_pages), ("num_swa_pages", num_swa_pages)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
         if max_requests < 1:
             raise ValueError(f"max_requests={max_requests} must be >= 1")
         if max_seq_len < PAGE_SIZE or max_seq_len % PAGE_SIZE:
@@ -81,8 +85,9 @@ class DSV4Cache(nn.Module):
         self.config = config
         self.max_requests = max_requests
         self.max_seq_len = max_seq_len
-        self.num_full_pages = num_full_pages or max_requests * (max_seq_len // PAGE_SIZE) + 1
-        self.num_swa_pages = num_swa_pages or self.num_full_pages
+        pages_of_every_request = max_requests * (max_seq_len // PAGE_SIZE) + 1
+        self.num_full_pages = pages_of_every_request if num_full_pages is None else num_full_pages
+        self.num_swa_pages = self.num_full_pages if num_swa_pages is None else num_swa_pages
         if self.num_full_pages < 2 or self.num_swa_pages < 2:
             raise ValueError("num_full_pages and num_swa_pages must be >= 2 (page 0 is the dummy)")
         rows = max_requests + 1

@@ -16,6 +16,7 @@ Model-side math (projections, norms, RoPE) lives in :meth:`DSV4Attention.project
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable
 
@@ -204,8 +205,11 @@ class DSV4AttentionStack(nn.Module):
 
     def __init__(self, config: DSV4AttnConfig, cache: DSV4Cache, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        if cache.config.compress_ratios != config.compress_ratios:
-            raise ValueError("cache and stack disagree on compress_ratios")
+        if cache.config != config:
+            differ = [f.name for f in dataclasses.fields(config)
+                      if getattr(config, f.name) != getattr(cache.config, f.name)]
+            raise ValueError(f"config and cache.config differ in {', '.join(differ)}: the stack runs over the cache "
+                             "made for its config")
         self.config = config
         self.cache = cache
         self.layers = nn.ModuleList(DSV4Attention(config, i, dtype) for i in range(config.num_layers))

@@ -160,6 +160,8 @@ FORWARD_CASES = [
          TypeError, ("dsv4.expand_queries", "req_rows")),
     Case("stack-ratios-differ", lambda eng: DSV4AttentionStack(TINY.with_(compress_ratios=(0,)), eng.stack.cache),
          ValueError, ("compress_ratios",)),
+    Case("stack-width-differs", lambda eng: DSV4AttentionStack(TINY.with_(hidden_size=128), eng.stack.cache),
+         ValueError, ("hidden_size",)),
 ]
 
 
@@ -358,6 +360,8 @@ HOST_CASES = [
     Case("cache-max-requests", _cache(max_requests=0), ValueError, ("max_requests",)),
     Case("cache-max-seq-len", _cache(max_seq_len=300), ValueError, ("max_seq_len",)),
     Case("cache-full-pages", _cache(num_full_pages=1), ValueError, ("num_full_pages",)),
+    Case("cache-no-full-pages", _cache(num_full_pages=0), ValueError, ("num_full_pages",)),
+    Case("cache-float-requests", _cache(max_requests=1.5), TypeError, ("max_requests",)),
     Case("extend-free-row", _alloc("extend", FREE, 1), ValueError, (f"row {FREE}",)),
     Case("extend-float-row", _alloc("extend", 1.0, 1), TypeError, ("row must be an int",)),
     Case("extend-negative", _alloc("extend", ROW, -3), ValueError, ("num_tokens",)),
