@@ -17,6 +17,7 @@ from dsv4_compile.model import enable
 from dsv4_compile.oracle import oracle_model_logits
 from dsv4_compile.step import ForwardMode, StepInputs
 from tests.model.conftest import load_tiny_hf
+from tests.support.cache_checks import assert_unchanged, snapshot
 from tests.support.hf_model import tiny_hf_model
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -171,3 +172,25 @@ def test_the_model_step_compiles_whole_without_graph_breaks(tiny_hf_dir):
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] <= MAX_FRAMES
     torch.testing.assert_close(results["compiled"], results["eager"], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("bad, error, named", [
+    (dict(step=lambda s: s.tensors()), TypeError, "step must be a StepInputs"),
+    (dict(ids=lambda t: t.int()), TypeError, "input_ids must be a 1-D int64 Tensor"),
+    (dict(ids=lambda t: t + VOCAB), ValueError, "input_ids: token ids must lie in"),
+    (dict(rows=lambda t: t + 3), ValueError, "logit_rows: rows must lie in"),
+], ids=["not-a-step", "ids-dtype", "ids-past-vocab", "rows-past-step"])
+def test_bad_step_inputs_are_refused_by_name_and_write_nothing(backend, bad, error, named):
+    """``backend(input_ids, step, logit_rows)`` with one bad argument raises naming it, before any
+    cache write (the request's slots are allocated but untouched)."""
+    row = backend.allocator.admit()
+    try:
+        step = StepInputs.make(ForwardMode.EXTEND, [row], [3], [3], backend.allocator.extend(row, 3))
+        ids, rows = ids_of(3, 20), torch.tensor([2])
+        before = snapshot(backend.cache)
+        args = (bad.get("ids", lambda t: t)(ids), bad.get("step", lambda s: s)(step), bad.get("rows", lambda t: t)(rows))
+        with pytest.raises(error, match=named):
+            backend(*args)
+        assert_unchanged(before, backend.cache, named)
+    finally:
+        backend.allocator.free(row)
