@@ -26,11 +26,10 @@ import os
 import sys
 from pathlib import Path
 
-import torch
-
 from .config import PAGE_SIZE
 from .evaluate import InputError, Plan, evaluate
-from .evaluate.inputs import builtin_config, builtin_corpus, check_lengths, checkpoint_config, read_jsonl
+from .evaluate.inputs import (builtin_config, builtin_corpus, check_device, check_lengths, checkpoint_config,
+                              read_jsonl)
 from .evaluate.report import summary, write_json
 from .evaluate.run import quiet_libraries
 
@@ -68,40 +67,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_device(name: str | None, local_rank: int | None = None) -> torch.device:
-    """``name`` as a usable device (default: ``cuda`` when available, else ``cpu``); under torchrun
-    (``local_rank``) the rank's own ``cuda:LOCAL_RANK``."""
-    try:
-        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
-    except RuntimeError:
-        raise InputError(f"--device {name!r} is not a device name; use cpu, cuda or cuda:N") from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise InputError(f"--device {name!r}: only cpu and cuda are supported")
-    if local_rank is not None:
-        if device.index is not None:
-            raise InputError(f"--device {name!r}: under torchrun each rank runs on cuda:LOCAL_RANK; pass --device cuda")
-        device = torch.device("cuda", local_rank)
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if not count:
-        raise InputError(f"--device {name!r}: no CUDA device is available")
-    if (device.index or 0) >= count:
-        raise InputError(f"--device {name!r}: this machine has {count} CUDA device(s)")
-    return device
-
-
 def make_plan(args: argparse.Namespace) -> Plan:
     """The checked :class:`Plan` of the command line; :class:`InputError` names what is wrong."""
     ranks, local_rank = _torchrun_ranks()
     device = check_device(args.device, local_rank if ranks > 1 else None)
     if ranks > 1 and args.compare_eager:
         raise InputError("--compare-eager: transformers eager needs the whole model in one process, not under torchrun")
-    if args.json is not None and not args.json.parent.is_dir():
-        raise InputError(f"--json {args.json}: no directory {args.json.parent}")
+    if args.json is not None:
+        if not args.json.parent.is_dir():
+            raise InputError(f"--json {args.json}: no directory {args.json.parent}")
+        if args.json.is_dir() or not os.access(args.json.parent, os.W_OK):
+            raise InputError(f"--json {args.json}: cannot write a file there")
+    if not 0 <= args.seed < 2**63:
+        raise InputError(f"--seed {args.seed}: must lie in [0, 2**63)")
     if args.max_seq_len is not None and args.max_seq_len % PAGE_SIZE:
         raise InputError(f"--max-seq-len {args.max_seq_len}: must be a multiple of {PAGE_SIZE}")
     config = builtin_config() if args.model is None else checkpoint_config(args.model)
+    if args.max_seq_len is not None and args.max_seq_len > config.max_position_embeddings:
+        raise InputError(f"--max-seq-len {args.max_seq_len}: the model's max_position_embeddings is "
+                         f"{config.max_position_embeddings}")
     if args.data is None:
         corpus = builtin_corpus(config.vocab_size, args.seed)
     else:
@@ -125,11 +109,11 @@ def main(argv=None) -> int:
     try:
         args = parse_args(argv)
         plan = make_plan(args)
+        quiet_libraries()
+        results = evaluate(plan)  # a checkpoint whose weights cannot be read fails here
     except InputError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
         return 2
-    quiet_libraries()
-    results = evaluate(plan)
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun every rank has the same results
         print(summary(results))
         if args.json is not None:

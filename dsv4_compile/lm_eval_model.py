@@ -28,6 +28,7 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simpl
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from .evaluate.inputs import InputError, check_device
 from .evaluate.run import runner_on
 from .model import enable
 
@@ -53,7 +54,10 @@ class DSV4LM(TemplateLM):
                  device: str | None = None, compile: bool | str = False, max_step_tokens: int = 256,
                  max_length: int | None = None):
         super().__init__()
-        self._device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        try:
+            self._device = check_device(device, what="device")
+        except InputError as e:
+            raise ValueError(str(e)) from None
         self.batch_size, max_seq_len = _count("batch_size", batch_size), _count("max_seq_len", max_seq_len)
         self.max_length = max_seq_len if max_length is None else _count("max_length", max_length)
         if self.max_length > max_seq_len:
@@ -203,12 +207,13 @@ def _continuation_score(logits: torch.Tensor, continuation: list[int]) -> tuple[
 
 
 def _count(name: str, value: int | str) -> int:
-    """A positive integer model argument (lm-eval may pass it as a string)."""
+    """A positive integer model argument (lm-eval may pass it as a string); a bool or a fraction
+    is refused rather than rounded."""
     try:
         count = int(value)
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
-    if count < 1:
+    if count < 1 or isinstance(value, bool) or (isinstance(value, float) and value != count):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return count
 

@@ -16,10 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from .evaluate import InputError
-from .evaluate.inputs import checkpoint_config, load_checkpoint
+from .evaluate.inputs import check_device, checkpoint_config, load_checkpoint
 from .export import PROGRAMS, ExportLimits, default_limits, package
 from .model import enable
 
@@ -54,8 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> str:
+    device = check_device(args.device)
     try:
-        device = torch.device(args.device)
         model = load_checkpoint(args.model, checkpoint_config(args.model), device)
         backend = enable(model, max_requests=args.max_requests, max_seq_len=args.max_seq_len)
     except (ValueError, RuntimeError) as e:

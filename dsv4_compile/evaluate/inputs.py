@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoTokenizer, DeepseekV4Config, DeepseekV4ForCausalLM, PretrainedConfig
 from transformers.distributed import DistributedConfig
 
@@ -32,6 +33,30 @@ BUILTIN_SEQUENCES, BUILTIN_LENGTHS, BUILTIN_SKEW = 200, (16, 600), 6.0
 
 class InputError(Exception):
     """A bad input, described in one line (the command exits with status 2)."""
+
+
+def check_device(name: str | None, local_rank: int | None = None, *, what: str = "--device") -> torch.device:
+    """``name`` as a usable device (default: ``cuda`` when available, else ``cpu``); under torchrun
+    (``local_rank``) the rank's own ``cuda:LOCAL_RANK``. :class:`InputError` otherwise, naming
+    ``what`` (the option or argument that gave it)."""
+    try:
+        device = torch.device(name or ("cuda" if torch.cuda.is_available() else "cpu"))
+    except RuntimeError:
+        raise InputError(f"{what} {name!r} is not a device name; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise InputError(f"{what} {name!r}: only cpu and cuda are supported")
+    if local_rank is not None:
+        if device.index is not None:
+            raise InputError(f"{what} {name!r}: under torchrun each rank runs on cuda:LOCAL_RANK; pass --device cuda")
+        device = torch.device("cuda", local_rank)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not count:
+        raise InputError(f"{what} {name!r}: no CUDA device is available")
+    if (device.index or 0) >= count:
+        raise InputError(f"{what} {name!r}: this machine has {count} CUDA device(s)")
+    return device
 
 
 @dataclass
@@ -102,8 +127,11 @@ def load_checkpoint(path: Path, config: PretrainedConfig, device: torch.device, 
     kwargs = {}
     if tp_size > 1:
         kwargs["distributed_config"] = DistributedConfig(tp_size=tp_size, tp_plan=ATTENTION_TP_PLAN)
-    model = DeepseekV4ForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16, local_files_only=True,
-                                                  use_safetensors=True, **kwargs)
+    try:
+        model = DeepseekV4ForCausalLM.from_pretrained(path, config=config, dtype=torch.bfloat16,
+                                                      local_files_only=True, use_safetensors=True, **kwargs)
+    except (OSError, SafetensorError) as e:  # a missing, truncated or corrupt weights file
+        raise InputError(f"--model {path}: cannot read its weights: {_first_line(e)}") from None
     return model.to(device).eval().requires_grad_(False)
 
 

@@ -32,11 +32,14 @@ def _jsonl(path, *records) -> str:
 @pytest.fixture(scope="module")
 def bad_inputs(tmp_path_factory):
     """A folder of bad inputs: checkpoint directories of another model type, of a DeepSeek V4
-    config the backend does not support, of a config without weights, and JSONL files."""
+    config the backend does not support, of a config without weights or with corrupt ones, and
+    JSONL files."""
     root = tmp_path_factory.mktemp("bad_inputs")
     LlamaConfig().save_pretrained(root / "llama")
     tiny_hf_config(head_dim=256).save_pretrained(root / "head_dim")
     tiny_hf_config().save_pretrained(root / "no_weights")
+    tiny_hf_config().save_pretrained(root / "corrupt_weights")
+    (root / "corrupt_weights" / "model.safetensors").write_bytes(b"\xff" * 64)
     for name, records in {"long": [{"tokens": [1] * 300}], "bad": [{"tokens": [1, 2]}, "{tokens: [1]"],
                           "keys": [{"ids": [1]}], "floats": [{"tokens": [1.5]}], "vocab": [{"tokens": [1, 512]}],
                           "empty": [{"tokens": []}], "text": [{"text": "hi"}]}.items():
@@ -69,6 +72,10 @@ BAD = {
     "device type": (["--device", "mps"], "only cpu and cuda"),
     "device index": (["--device", "cuda:7"], "--device 'cuda:7'"),
     "json directory": (["--json", "{dir}/absent/out.json"], "--json {dir}/absent/out.json: no directory"),
+    "json is a directory": (["--json", "{dir}"], "--json {dir}: cannot write a file there"),
+    "seed past int64": (["--seed", str(2**70)], f"--seed {2**70}: must lie in [0, 2**63)"),
+    "max-seq-len past the positions": (["--max-seq-len", str(2**40)], "the model's max_position_embeddings is 4096"),
+    "corrupt weights": (["--model", "{dir}/corrupt_weights"], "--model {dir}/corrupt_weights: cannot read its weights"),
     "task": (["--task", "translate"], "invalid choice: 'translate'"),
     "batch": (["--batch", "0"], "'0' is not a positive integer"),
 }

@@ -172,3 +172,15 @@ def test_command_line(eval_dir, task_dir):
                          text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "tiny_mc" in run.stdout and "acc" in run.stdout, run.stdout
+
+
+@pytest.mark.parametrize("arg, named", [("batch_size=2.7", "batch_size must be a positive integer, got 2.7"),
+                                        ("max_seq_len=0", "max_seq_len must be a positive integer"),
+                                        ("device=meta", "device 'meta': only cpu and cuda are supported"),
+                                        ("device=cuda:99", "device 'cuda:99'")])
+def test_bad_model_args_are_refused_by_name_before_loading(eval_dir, monkeypatch, arg, named):
+    """A model argument that cannot be used raises naming it, before the checkpoint is read."""
+    monkeypatch.setattr("dsv4_compile.lm_eval_model.AutoTokenizer.from_pretrained",
+                        lambda *a, **k: pytest.fail("the checkpoint was read"))
+    with pytest.raises(ValueError, match=named):
+        get_model("dsv4").create_from_arg_string(f"pretrained={eval_dir},max_seq_len=256,{arg}", {})
