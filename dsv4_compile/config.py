@@ -11,6 +11,7 @@ shrunk).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 # Hard constants of the attention path (docs/semantics.md §1.1). They are not configurable: the
@@ -55,20 +56,28 @@ class DSV4AttnConfig:
     max_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
-        _require(self.hidden_size > 0, "hidden_size", self.hidden_size, "must be positive")
-        _require(self.num_heads > 0, "num_heads", self.num_heads, "must be positive")
+        for name in _POSITIVE_INTS:
+            value = getattr(self, name)
+            _require(isinstance(value, int) and not isinstance(value, bool) and value > 0, name, value,
+                     "must be a positive int")
+        for name in _POSITIVE_FLOATS:
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+                     and value > 0, name, value, "must be a finite number > 0")
+        original = self.yarn_original_max_position  # 0: no YaRN
+        _require(isinstance(original, int) and not isinstance(original, bool) and original >= 0,
+                 "yarn_original_max_position", original, "must be an int >= 0")
+        _require(isinstance(self.compress_ratios, tuple), "compress_ratios", self.compress_ratios,
+                 "must be a tuple (one entry per layer)")
         _require(self.o_groups > 0 and self.num_heads % self.o_groups == 0, "o_groups",
                  self.o_groups, f"must divide num_heads={self.num_heads}")
         _require(self.index_topk > 0 and self.index_topk % INDEX_ALIGN == 0, "index_topk",
                  self.index_topk, f"must be a positive multiple of {INDEX_ALIGN}")
-        _require(self.index_n_heads > 0, "index_n_heads", self.index_n_heads, "must be positive")
         _require(len(self.compress_ratios) > 0, "compress_ratios", self.compress_ratios,
                  "needs one entry per layer")
         for r in self.compress_ratios:
             _require(r in VALID_RATIOS, "compress_ratios", self.compress_ratios,
                      f"entries must be in {VALID_RATIOS}")
-        _require(self.max_draft_tokens >= 1, "max_draft_tokens", self.max_draft_tokens,
-                 "must be >= 1")
 
     # -- derived -------------------------------------------------------------------------
     @property
@@ -122,6 +131,14 @@ class DSV4AttnConfig:
         from .hf_config import attn_config_from_hf
 
         return attn_config_from_hf(config, max_draft_tokens=max_draft_tokens, tp_size=tp_size)
+
+
+# Fields that must be positive: the sizes, and the RoPE / YaRN / norm constants (a zero or negative
+# one makes every output NaN or inf instead of failing).
+_POSITIVE_INTS = ("hidden_size", "num_heads", "q_lora_rank", "o_lora_rank", "o_groups", "index_n_heads", "index_topk",
+                  "max_position_embeddings", "max_draft_tokens")
+_POSITIVE_FLOATS = ("rope_theta", "compress_rope_theta", "yarn_factor", "yarn_beta_fast", "yarn_beta_slow",
+                    "rms_norm_eps")
 
 
 def _require(ok: bool, name: str, value, why: str) -> None:

@@ -2,7 +2,7 @@
 (``dsv4.<op>: ...`` for the ops), and changes nothing: every cache buffer (pools, compressor rings,
 index maps) stays byte-identical and the allocator's state is unchanged.
 
-Entries: ``StepInputs.make``, ``DSV4AttentionStack`` (constructor and the eager forward's
+Entries: ``DSV4AttnConfig``, ``StepInputs.make``, ``DSV4AttentionStack`` (constructor and the eager forward's
 validation), ``build_step_metadata``, every ``dsv4::`` op called directly (wrong dtype, wrong rank,
 mismatched rows, an argument on another device, bad scalars), ``DSV4Cache``, ``PageAllocator``
 (extend / truncate / evict / free) and ``Engine`` (build_step / run / accept / idle).
@@ -356,7 +356,19 @@ def _cache(**bad) -> Callable[[Engine], object]:
     return lambda eng: DSV4Cache(TINY, **{**dict(max_requests=2, max_seq_len=512), **bad})
 
 
+def _config(**bad) -> Callable[[Engine], object]:
+    return lambda eng: TINY.with_(**bad)
+
+
 HOST_CASES = [
+    Case("config-rank-negative", _config(q_lora_rank=-1), ValueError, ("DSV4AttnConfig.q_lora_rank=-1",)),
+    Case("config-width-float", _config(hidden_size=256.5), ValueError, ("DSV4AttnConfig.hidden_size=256.5",)),
+    Case("config-eps-nan", _config(rms_norm_eps=float("nan")), ValueError, ("DSV4AttnConfig.rms_norm_eps=nan",)),
+    Case("config-theta-zero", _config(rope_theta=0.0), ValueError, ("DSV4AttnConfig.rope_theta=0.0",)),
+    Case("config-yarn-length", _config(yarn_original_max_position=-1), ValueError,
+         ("DSV4AttnConfig.yarn_original_max_position=-1",)),
+    Case("config-ratios-list", _config(compress_ratios=[0, 4]), ValueError, ("DSV4AttnConfig.compress_ratios",)),
+    Case("config-topk", _config(index_topk=63), ValueError, ("DSV4AttnConfig.index_topk=63",)),
     Case("cache-max-requests", _cache(max_requests=0), ValueError, ("max_requests",)),
     Case("cache-max-seq-len", _cache(max_seq_len=300), ValueError, ("max_seq_len",)),
     Case("cache-full-pages", _cache(num_full_pages=1), ValueError, ("num_full_pages",)),
