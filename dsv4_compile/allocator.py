@@ -110,6 +110,8 @@ class PageAllocator:
         nothing; returns the full slots of all of them, concatenated, as ints. The index-map
         entries of every request go to the device in one transfer (a step's worth of small writes
         would otherwise each be a transfer that waits for the device)."""
+        if not isinstance(tokens, Mapping):
+            raise TypeError(f"tokens must be a mapping of request row to token count, got {type(tokens).__name__}")
         writes = _MapWrites(self.cache)
         with self.transaction():
             slots = [slot for row, n in tokens.items() for slot in self._extend(row, n, writes)]

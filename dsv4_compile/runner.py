@@ -135,6 +135,8 @@ class ModelRunner(StepBuilder):
         strings: decode and search the new tokens)."""
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         temperature, top_p = check_sampling(temperature, top_p)
+        if seed is not None and check_count("seed", seed) >= 2**63:
+            raise ValueError(f"seed={seed} must be < 2**63")
         stops = set(self._token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
         prompts = self._token_lists("prompts", prompts)
         out: list[list[int]] = [[] for _ in prompts]

@@ -375,6 +375,7 @@ HOST_CASES = [
     Case("cache-no-full-pages", _cache(num_full_pages=0), ValueError, ("num_full_pages",)),
     Case("cache-float-requests", _cache(max_requests=1.5), TypeError, ("max_requests",)),
     Case("extend-free-row", _alloc("extend", FREE, 1), ValueError, (f"row {FREE}",)),
+    Case("extend-requests-list", _alloc("extend_requests", [ROW]), TypeError, ("tokens must be a mapping",)),
     Case("extend-float-row", _alloc("extend", 1.0, 1), TypeError, ("row must be an int",)),
     Case("extend-negative", _alloc("extend", ROW, -3), ValueError, ("num_tokens",)),
     Case("extend-tensor-count", _alloc("extend", ROW, torch.tensor(3)), TypeError, ("num_tokens",)),

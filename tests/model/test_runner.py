@@ -171,6 +171,8 @@ def test_requests_that_cannot_fit_are_refused_before_anything_is_written(tiny_hf
         runner.score([[]])
     with pytest.raises(TypeError, match=r"prompts\[0\] must be a 1-D integer tensor"):
         runner.generate([torch.zeros(3)], 2)
+    with pytest.raises(ValueError, match=r"seed=\d+ must be < 2\*\*63"):
+        runner.generate([[1, 2]], 2, seed=2**70)
     assert_same_state(before, allocator_state(backend))
     seqs = [ids_of(131, 5), ids_of(131, 6)]
     waited = runner.score(seqs)
