@@ -12,8 +12,10 @@ the model instance (docs/model.md, "generate()"):
   object is reset or dropped. Nested calls (the model drafting for itself) release at the outer one.
 * ``_is_stateful = False``: ``transformers`` refuses assisted generation for this model because its
   own compressor state cannot roll back; on the backend a rollback is a truncate of the paged cache.
-* ``generation_config.num_assistant_tokens`` is capped at ``max_draft_tokens`` (the draft length
-  when this model drafts: deeper rollbacks are refused).
+* ``_get_candidate_generator``: the draft generator ``transformers`` builds for assisted
+  generation (a draft model, this model drafting for itself, prompt lookup) drafts at most
+  ``max_draft_tokens`` tokens a step, however long its configured or heuristically grown draft
+  length (a deeper rollback is refused).
 * ``_optimize_model_for_decode``: a no-op, so decoding keeps the experts implementation
   ``enable`` set instead of ``transformers`` switching it on accelerators.
 """
@@ -22,13 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .hf_cache import DSV4PagedCache
     from .model import ModelBackend
 
-_OVERRIDES = ("_prepare_cache_for_generation", "generate", "_is_stateful", "_optimize_model_for_decode")
+_OVERRIDES = ("_prepare_cache_for_generation", "generate", "_get_candidate_generator", "_is_stateful",
+              "_optimize_model_for_decode")
+# Attributes of transformers' candidate generators holding the tokens drafted a step
+# (AssistedCandidateGenerator and its subclasses; PromptLookupCandidateGenerator).
+_DRAFT_LENGTHS = ("num_assistant_tokens", "num_output_tokens")
 
 
 def install(backend: "ModelBackend") -> None:
@@ -37,6 +44,7 @@ def install(backend: "ModelBackend") -> None:
 
     model = backend.model
     prepare, generate = model._prepare_cache_for_generation, model.generate  # the class's, bound
+    candidate_generator = model._get_candidate_generator
     created: list["DSV4PagedCache"] = []  # caches built by the outermost generate call running now
     depth = [0]
 
@@ -66,12 +74,12 @@ def install(backend: "ModelBackend") -> None:
                         cache.reset()
                 created.clear()
 
-    config = model.generation_config
-    generate_on_backend.saved_num_assistant_tokens = config.num_assistant_tokens
-    max_draft = backend.config.max_draft_tokens
-    if config.num_assistant_tokens is None or config.num_assistant_tokens > max_draft:
-        config.num_assistant_tokens = max_draft
+    @functools.wraps(candidate_generator)
+    def capped_candidate_generator(*args, **kwargs):
+        return capped(candidate_generator(*args, **kwargs), backend.config.max_draft_tokens)
+
     model._prepare_cache_for_generation = prepare_cache
+    model._get_candidate_generator = capped_candidate_generator
     model.generate = generate_on_backend
     model._is_stateful = False
     model._optimize_model_for_decode = contextlib.nullcontext
@@ -79,12 +87,30 @@ def install(backend: "ModelBackend") -> None:
 
 
 def uninstall(backend: "ModelBackend") -> None:
-    """Delete the overrides :func:`install` set on ``backend.model`` and restore
-    ``num_assistant_tokens`` (no-op if they are not this backend's)."""
+    """Delete the overrides :func:`install` set on ``backend.model`` (no-op if they are not this
+    backend's)."""
     model = backend.model
     generate = model.__dict__.get("generate")
     if getattr(generate, "dsv4_backend", None) is not backend:
         return
     for name in _OVERRIDES:
         model.__dict__.pop(name, None)
-    model.generation_config.num_assistant_tokens = generate.saved_num_assistant_tokens
+
+
+def capped(generator, max_draft: int):
+    """``generator`` (a ``transformers`` candidate generator) drafting at most ``max_draft`` tokens
+    a step: before each draft its draft length is capped, whether configured longer or grown by
+    the heuristic schedule (which adds 2 after every fully accepted draft). The wrapper holds the
+    generator weakly: a cycle would keep it, and the draft cache it holds, alive past ``generate``
+    (until a garbage collection), and with them the draft model's request rows."""
+    this, get_candidates = weakref.ref(generator), type(generator).get_candidates
+
+    def get_capped_candidates(*args, **kwargs):
+        generator = this()
+        for name in _DRAFT_LENGTHS:
+            if getattr(generator, name, None) is not None:
+                setattr(generator, name, min(getattr(generator, name), max_draft))
+        return get_candidates(generator, *args, **kwargs)
+
+    generator.get_candidates = get_capped_candidates
+    return generator

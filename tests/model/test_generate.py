@@ -3,6 +3,8 @@ instead of ``transformers``' dynamic cache — left-padded batches give the runn
 through ``generate``'s own ``eos_token_id``, assisted generation (rollback = truncate) gives plain
 greedy's tokens, rows are released when ``generate`` returns, beam search is refused."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -37,6 +39,23 @@ def greedy(model, ids, mask, max_new_tokens, **kwargs) -> torch.Tensor:
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                          pad_token_id=PAD, **kwargs)
     return out[:, ids.shape[1]:]
+
+
+@contextlib.contextmanager
+def recorded_rollbacks(allocator):
+    """While entered, the depth of every rollback (``allocator.truncate``) is appended to the list
+    it yields."""
+    rollbacks, truncate = [], allocator.truncate
+
+    def recording_truncate(row, new_len):
+        rollbacks.append(allocator.seq_len(row) - new_len)
+        truncate(row, new_len)
+
+    allocator.truncate = recording_truncate
+    try:
+        yield rollbacks
+    finally:
+        del allocator.truncate
 
 
 @pytest.fixture(scope="module")
@@ -111,20 +130,33 @@ def test_assisted_generation_gives_plain_greedy_tokens(backend, tiny_hf_dir):
     scores = model.generate(prompt, max_new_tokens=24, do_sample=False, pad_token_id=PAD, output_scores=True,
                             return_dict_in_generate=True).scores
     assert min(float(top[0] - top[1]) for top in (s[0].float().topk(2).values for s in scores)) >= TIE_MARGIN
-    rollbacks, truncate = [], backend.allocator.truncate
-
-    def recording_truncate(row, new_len):
-        rollbacks.append(backend.allocator.seq_len(row) - new_len)
-        truncate(row, new_len)
-
-    backend.allocator.truncate = recording_truncate
-    try:
+    with recorded_rollbacks(backend.allocator) as rollbacks:
         assert torch.equal(greedy(model, prompt, None, 24, assistant_model=model), plain)
         assert not any(rollbacks)
         assert torch.equal(greedy(model, prompt, None, 24, assistant_model=draft.model), plain)
-    finally:
-        del backend.allocator.truncate
     assert len(rollbacks) >= 2 and max(rollbacks) == backend.config.max_draft_tokens
+    assert not backend.allocator.active_rows and not draft.allocator.active_rows
+
+
+def test_drafts_longer_than_max_draft_tokens_are_capped(backend, tiny_hf_dir):
+    """Draft generators configured for more than ``max_draft_tokens`` tokens a step (prompt lookup
+    of 10 tokens; a draft model of 20 on the heuristic schedule, which grows the draft after each
+    fully accepted one) draft at most ``max_draft_tokens``: their rejections roll back within it,
+    and the tokens are plain greedy's (before, a deeper rollback raised mid-generation)."""
+    model, max_draft = backend.model, backend.config.max_draft_tokens
+    draft = perturbed_draft(tiny_hf_dir, 0.5)
+    draft.model.generation_config.num_assistant_tokens = 20
+    draft.model.generation_config.num_assistant_tokens_schedule = "heuristic"
+    draft.model.generation_config.assistant_confidence_threshold = 0.0
+    prompt = ids_of(10, 49)[None]
+    repeating = torch.cat([prompt, prompt], 1)  # prompt lookup finds n-grams to draft from
+    with recorded_rollbacks(backend.allocator) as rollbacks:
+        assert torch.equal(greedy(model, repeating, None, 12, prompt_lookup_num_tokens=10),
+                           greedy(model, repeating, None, 12))
+        looked_up = len(rollbacks)
+        assert torch.equal(greedy(model, prompt, None, 24, assistant_model=draft.model),
+                           greedy(model, prompt, None, 24))
+    assert looked_up and len(rollbacks) > looked_up and max(rollbacks) <= max_draft
     assert not backend.allocator.active_rows and not draft.allocator.active_rows
 
 
@@ -174,8 +206,8 @@ def test_close_gives_transformers_generate_back(tiny_hf_dir, tiny_hf):
     backend = enable(load_tiny_hf(tiny_hf_dir), max_requests=1, max_seq_len=256)
     model, prompt = backend.model, ids_of(10, 4)[None]
     backend.close()
-    assert not {"generate", "_prepare_cache_for_generation", "_is_stateful"} & model.__dict__.keys()
-    assert model.generation_config.num_assistant_tokens == tiny_hf.generation_config.num_assistant_tokens
+    assert not {"generate", "_prepare_cache_for_generation", "_get_candidate_generator",
+                "_is_stateful"} & model.__dict__.keys()
     want = tiny_hf.generate(prompt, max_new_tokens=3, do_sample=False)
     assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
     with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
