@@ -169,11 +169,12 @@ class ModelRunner(StepBuilder):
 
     @torch.no_grad()
     def warmup(self) -> None:
-        """Run one step of every shape class a stream of requests can produce, so that a compiled
-        ``step_fn`` has all its frames afterwards: one request of one row, one request of several
-        rows, several requests — each with request, row and logit-row counts that differ, so that
-        no frame is specialised to two counts being equal. The steps run on throw-away requests,
-        released afterwards (their rows start clean when admitted again)."""
+        """Run one step of every shape class a stream of requests can produce — one request of one
+        row, one request of several rows, several requests, each with request, row and logit-row
+        counts that differ — so that a compiled ``step_fn`` has traced its frame (counts are
+        dynamic, 1 included: docs/compile.md, "Frames and the recompile limit") before real
+        requests arrive. The steps run on throw-away requests, released afterwards (their rows
+        start clean when admitted again)."""
         for counts, num_logits in (([1], 2), ([3], 2), ([3, 3], 3)):
             rows = [self.admit() for _ in counts]
             try:
