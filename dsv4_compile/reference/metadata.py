@@ -150,7 +150,8 @@ def build_c128_metadata(page_table: torch.Tensor, req_of_row: torch.Tensor, seq_
     Returns ``c128_out_loc [T] int32`` (``full_slot // 128`` on a window boundary, else -1, and -1
     for a negative out slot or a request row outside ``[0, R)``), ``c128_indices [T, ceil64(2 NP)]
     int32`` (entry ``j`` at slot ``page_table[q, j // 2] * 2 + j % 2`` for
-    ``j < (pos + 1) // 128``, else -1, and -1 for a negative page or one whose slots pass int32) and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
+    ``j < (pos + 1) // 128``, else -1, and -1 for a negative page or one whose slots pass int32)
+    and ``c128_lengths = max((pos + 1) // 128, 1)`` [T] int32.
     """
     seq = seq_lens_causal.long()
     out_loc = _compressed_out_loc(req_of_row, seq_lens_causal, out_cache_loc, 128, num_request_rows)

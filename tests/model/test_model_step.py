@@ -186,9 +186,9 @@ def test_bad_step_inputs_are_refused_by_name_and_write_nothing(backend, bad, err
     row = backend.allocator.admit()
     try:
         step = StepInputs.make(ForwardMode.EXTEND, [row], [3], [3], backend.allocator.extend(row, 3))
-        ids, rows = ids_of(3, 20), torch.tensor([2])
+        good = {"ids": ids_of(3, 20), "step": step, "rows": torch.tensor([2])}
+        args = [bad[name](value) if name in bad else value for name, value in good.items()]
         before = snapshot(backend.cache)
-        args = (bad.get("ids", lambda t: t)(ids), bad.get("step", lambda s: s)(step), bad.get("rows", lambda t: t)(rows))
         with pytest.raises(error, match=named):
             backend(*args)
         assert_unchanged(before, backend.cache, named)
