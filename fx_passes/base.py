@@ -87,6 +87,59 @@ def may_mutate(node: torch.fx.Node) -> bool:
     return getattr(target, "__name__", "").endswith("_")
 
 
+def memory_of(nodes) -> set[torch.fx.Node]:
+    """The nodes through which the memory of ``nodes`` is reached: their bases (up the chains of
+    views) and every view of those, transitively."""
+    bases = []
+    for node in nodes:
+        while is_view(node):
+            node = node.args[0]
+        bases.append(node)
+    out: set[torch.fx.Node] = set()
+    while bases:
+        node = bases.pop()
+        if node not in out:
+            out.add(node)
+            bases += [u for u in node.users if is_view(u)]
+    return out
+
+
+def readers(nodes, exclude=()) -> set[torch.fx.Node]:
+    """The nodes that read the memory of ``nodes`` (views of it included: :func:`memory_of`) where
+    Inductor runs them, not entering ``exclude``: their users and, through a pointwise op or a view,
+    those users' users, transitively. Inductor may inline a pointwise op into its users, so its
+    read happens where they run (possibly past a later write to that memory); any other op reads
+    where it stands."""
+    memory = memory_of(nodes)
+    out: set[torch.fx.Node] = set()
+    frontier = [u for node in memory for u in node.users if u not in memory]
+    while frontier:
+        node = frontier.pop()
+        if node in out or node in exclude:
+            continue
+        out.add(node)
+        if is_view(node) or _pointwise(node):
+            frontier += node.users
+    return out
+
+
+def _pointwise(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags
+
+
+def is_view(node: object) -> bool:
+    """An aten view of its first argument (``_unsafe_view`` too: it shares the memory, though its
+    schema does not say so), or an item of a view op that returns several (``split``, ``unbind``,
+    ``chunk``: each item shares the memory of the op's input)."""
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return is_view(node.args[0])
+    op = node.target
+    return (isinstance(op, torch._ops.OpOverload) and (op.is_view or op is torch.ops.aten._unsafe_view.default)
+            and isinstance(node.args[0], torch.fx.Node))
+
+
 def dsv4_ops(graph: torch.fx.Graph) -> list[str]:
     """The ``dsv4::`` ops called in ``graph``, in order, read from its nodes: ``"dsv4.<op>.<overload>"``,
     with ``" (in place)"`` for a mutating op (which a post-grad graph wraps in

@@ -10,9 +10,10 @@ called on the input itself; this pass writes that graph directly (the same gener
 
 Rewritten: a node whose op is a ``dsv4::`` op, each mutated argument a whole base (not a view of
 one), each base a placeholder that the graph copies back into (an input mutation) and that nothing
-but that write-back reads after the node. The op is called on the placeholders where the node was;
-the node's result outputs read the call, its new-base outputs the placeholders. Anything else is
-left to Inductor.
+but that write-back reads after the node (directly, through a view, or in a pointwise op that
+Inductor may inline into a user after the node: ``base.readers``). The op is called on the
+placeholders where the node was; the node's result outputs read the call, its new-base outputs the
+placeholders. Anything else is left to Inductor.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import operator
 import torch
 
-from .base import OnDevicesPass
+from .base import OnDevicesPass, readers
 
 _AUTO_FUNCTIONALIZED = torch.ops.higher_order.auto_functionalized_v2
 _COPY = torch.ops.aten.copy_.default
@@ -60,7 +61,9 @@ class InplaceMutationsPass(OnDevicesPass):
             if not (isinstance(base, torch.fx.Node) and base.op == "placeholder" and self._on_devices(base)):
                 return None
             write_back = [u for u in base.users if u.target is _COPY and u.args[0] is base]
-            read_after = [u for u in base.users if u is not node and u not in write_back and order[u] > order[node]]
+            # the old value read after the node (in the functional graph every read sees the old bytes)
+            read_after = [u for u in readers([base], exclude={node, *write_back})
+                          if order.get(u, len(order)) > order[node]]
             if not write_back or read_after:
                 return None
             op_kwargs[a.name] = base

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from .. import ops  # noqa: F401  (registers dsv4::join_side_stream and the side-stream flags)
-from .base import OnDevicesPass, call_arguments, may_mutate
+from .base import OnDevicesPass, call_arguments, may_mutate, memory_of, readers
 
 _JOIN = torch.ops.dsv4.join_side_stream.default
 _FLAG = "side_stream"
@@ -87,11 +87,13 @@ def _set_flag(node: torch.fx.Node) -> None:
 
 
 def _move_up(graph: torch.fx.Graph, write: torch.fx.Node) -> None:
-    """Put ``write`` right after the last node above it that it must follow."""
-    inputs, written = set(write.all_input_nodes), _memory(_written(write))
+    """Put ``write`` right after the last node above it that it must follow: an input, a write, a
+    view of what it writes or a reader of it (:func:`~.base.readers`: where Inductor runs the read)."""
+    inputs, written = set(write.all_input_nodes), memory_of(_written(write))
+    read = readers(_written(write), exclude={write})
     node = write.prev
     while node.op != "root" and not (node in inputs or node.op == "placeholder" or may_mutate(node)
-                                     or written.intersection(node.all_input_nodes)):
+                                     or written.intersection(node.all_input_nodes) or node in read):
         node = node.prev
     if node is not write.prev:
         node.append(write)
@@ -102,7 +104,7 @@ def _first_to_follow(write: torch.fx.Node, side: set[torch.fx.Node]) -> torch.fx
     a writer of what it reads (any write but a ``dsv4::`` op's that names its buffers), or the
     output, through views too; the writes in ``side`` run after it on the same stream and need no
     join."""
-    written, inputs = _memory(_written(write)), _memory(write.all_input_nodes)
+    written, inputs = memory_of(_written(write)), memory_of(write.all_input_nodes)
     node = write.next
     while node.op != "output":
         if node in side:
@@ -112,35 +114,10 @@ def _first_to_follow(write: torch.fx.Node, side: set[torch.fx.Node]) -> torch.fx
             return node
         if may_mutate(node):
             mine = _written(node) if _is_dsv4_call(node) else None
-            if mine is None or inputs.intersection(_memory(mine)):
+            if mine is None or inputs.intersection(memory_of(mine)):
                 return node
         node = node.next
     return node
-
-
-def _memory(nodes) -> set[torch.fx.Node]:
-    """The nodes through which the memory of ``nodes`` is reached: their bases (up the chains of
-    views) and every view of those, transitively."""
-    bases = []
-    for node in nodes:
-        while _is_view(node):
-            node = node.args[0]
-        bases.append(node)
-    out: set[torch.fx.Node] = set()
-    while bases:
-        node = bases.pop()
-        if node not in out:
-            out.add(node)
-            bases += [u for u in node.users if _is_view(u)]
-    return out
-
-
-def _is_view(node: object) -> bool:
-    """An aten view of its first argument (``_unsafe_view`` too: it shares the memory, though its
-    schema does not say so)."""
-    op = getattr(node, "target", None)
-    return (node.op == "call_function" and isinstance(op, torch._ops.OpOverload)
-            and (op.is_view or op is torch.ops.aten._unsafe_view.default) and isinstance(node.args[0], torch.fx.Node))
 
 
 def _is_dsv4_call(node: torch.fx.Node) -> bool:

@@ -62,11 +62,20 @@ def _stores_twice(cache, slots, kv):
     return first
 
 
+def _old_row_used_after_the_write(cache, slots, kv):
+    row = cache[1]  # a view, made before the write
+    total = row.float().sum()  # read before the write, and feeding it
+    old = row.float() * 2  # pointwise: Inductor may compute it where its user runs, after the write
+    torch.ops.dsv4.store_kv(cache, slots, kv + total.bfloat16() * 0, PAGE)
+    return old * 3
+
+
 @pytest.mark.parametrize("fn, matches", [(_store_then_read, 1), (_stores_twice, 2), (_store_into_rows, 0),
-                                         (_store_into_copy, 0)])
+                                         (_store_into_copy, 0), (_old_row_used_after_the_write, 0)])
 def test_whole_input_writes_called_in_place(fn, matches):
     """Writes into a whole graph input become in-place calls (each of two writes of one input too);
-    a write into a view of an input or into an intermediate stays with Inductor. Every way, the
+    a write into a view of an input or into an intermediate, or one whose input's old bytes are
+    read after it (here through a view and a pointwise op), stays with Inductor. Every way, the
     compiled function returns and writes eager's values."""
     count, ops, (want, want_cache), (got, got_cache) = _compiled(fn)
     assert count == matches

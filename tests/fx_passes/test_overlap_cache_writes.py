@@ -106,6 +106,21 @@ def test_write_moves_above_the_product_and_its_join_waits_for_the_next_read():
     assert _same(want, got)
 
 
+def test_write_stays_below_a_read_through_a_split_and_a_pointwise_op():
+    """A read of the cache's old bytes through one item of a ``split`` and a cast that Inductor
+    inlines into the reduction after it: the write stays below the reduction, where the read runs,
+    and the outputs are eager's."""
+    def fn(cache, slots, k, x, w):
+        first, _ = cache.split([1, 2])
+        old = first.float().sum(dim=1)
+        ops.store_kv(cache, slots, k, PAGE)
+        return old, x @ w.t()
+
+    overlap, want, got, code = _compile(fn)
+    assert overlap.matched_count == 1
+    assert _same(want, got)
+
+
 def test_write_nothing_reads_is_joined_before_the_output():
     """The join still comes (a captured graph must end with its side branch joined), after the
     product the outputs read."""
