@@ -14,10 +14,12 @@ Matched: two or more ``aten.mm`` of the same 2-D ``x`` by ``permute(w, [1, 0])``
 as a graph traced without Inductor's decompositions holds it) where ``w`` is a
 2-D placeholder of ``x``'s dtype (bf16 / fp16), with ``x`` on one of ``devices`` (CUDA by default:
 elsewhere the op is the same matmuls). An ``aten.addmm(b, x, permute(w, [1, 0]))`` (no ``beta`` /
-``alpha``) counts as such a product followed by ``b + product``: Inductor's own patterns make one of
-a product and the residual added to it (the attention stack's ``o_b`` product), which cuBLAS then
-runs as three kernels (a copy, a split-K GEMV, its reduction). The sum then rounds the product to
-the output dtype before adding ``b``, as eager ``b + F.linear(x, w)`` does.
+``alpha``) whose ``b`` has the product's shape counts as such a product followed by
+``b + product``: Inductor's own patterns make one of a product and the residual added to it (the
+attention stack's ``o_b`` product), which cuBLAS then runs as three kernels (a copy, a split-K
+GEMV, its reduction). The sum then rounds the product to the output dtype before adding ``b``, as
+eager ``b + F.linear(x, w)`` does. An ``addmm`` of a bias (``F.linear(x, w, bias)``: ``b`` one row,
+broadcast) is left alone: eager adds the bias inside its one rounding.
 
 A product with no other of its input becomes a ``linears`` node of its own when its K is at
 least ``lone_min_k`` (default 4096: ``o_b_proj`` and the ``lm_head``, where the kernel's deep K
@@ -45,6 +47,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers dsv4::linears)
 from ..ops.linear import DTYPES
@@ -140,7 +143,9 @@ class FuseSharedInputLinearsPass(OnDevicesPass):
         operands = _operands(product)
         if product.kwargs or len(operands) != 3:
             return None
-        _, x, wt = operands
+        b, x, wt = operands
+        if b is not None and not _is_residual(b, product):
+            return None  # a bias: the addmm rounds once where the fused output plus the bias would round twice
         transposed = isinstance(wt, torch.fx.Node) and (
             wt.target is _aten.t.default or (wt.target is _aten.permute.default and list(wt.args[1]) == [1, 0]))
         if not transposed:
@@ -162,6 +167,16 @@ def _operands(product: torch.fx.Node) -> tuple:
     return (None, *product.args) if product.target is _aten.mm.default else tuple(product.args)
 
 
+def _is_residual(b: object, product: torch.fx.Node) -> bool:
+    """Whether ``addmm``'s ``b`` is a residual (``r + x @ wᵀ``, which Inductor folds into the
+    ``addmm``; eager rounds the product, then the sum): ``b`` of the product's own shape and dtype.
+    A bias (``F.linear``'s, broadcast over the rows) is added inside eager's one ``addmm``."""
+    bv, pv = getattr(b, "meta", {}).get("val"), product.meta.get("val")
+    return (isinstance(bv, torch.Tensor) and isinstance(pv, torch.Tensor) and bv.dtype == pv.dtype
+            and bv.dim() == 2 and statically_known_true(bv.shape[0] == pv.shape[0])
+            and statically_known_true(bv.shape[1] == pv.shape[1]))
+
+
 def _input_key(x: torch.fx.Node) -> object:
     """What identifies the value of ``x``: ``x`` itself, or for a 2-D reshape ``(source, last
     dim)`` — each ``nn.Linear`` of a 3-D activation flattens it with a reshape of its own
@@ -176,22 +191,20 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, products: list[torch.fx.No
              key: str = "val", norm: tuple | None = None) -> None:
     """One ``linears`` node before the first of ``products`` (in graph order: ``aten.mm`` /
     ``aten.addmm`` calls post-grad, ``F.linear`` calls in Dynamo's graph); each product's users read
-    its output instead (plus its ``b``, for an ``addmm``). ``key``: the meta entry of the graph's
-    values (``"val"``, Dynamo's ``"example_value"``). ``norm = (input, weight, eps)``: x is that
-    RMSNorm, which the node takes in its place (and x's node goes)."""
+    its output instead (plus its ``b``, for an ``addmm``), taken where the product was. ``key``: the
+    meta entry of the graph's values (``"val"``, Dynamo's ``"example_value"``). ``norm = (input,
+    weight, eps)``: x is that RMSNorm, which the node takes in its place (and x's node goes)."""
     with graph.inserting_before(products[0]):
         args = (x, weights) if norm is None else (norm[0], weights, *norm[1:])
         fused = graph.call_function(_LINEARS, args)
         fused.meta[key] = [p.meta[key] for p in products]
-        outs = []
-        for i, product in enumerate(products):
+    for i, product in enumerate(products):
+        with graph.inserting_before(product):  # where the product was: an addmm's b may come after the first
             out = graph.call_function(operator.getitem, (fused, i))
             out.meta[key] = product.meta[key]
             if product.target is _aten.addmm.default:
                 out = graph.call_function(_aten.add.Tensor, (product.args[0], out))
                 out.meta[key] = product.meta[key]
-            outs.append(out)
-    for product, out in zip(products, outs):
         inputs = product.args
         product.replace_all_uses_with(out)
         graph.erase_node(product)

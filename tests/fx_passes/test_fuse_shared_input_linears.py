@@ -104,6 +104,32 @@ def test_a_product_with_its_sum_fused():
     assert (matches, ops) == (0, []) and torch.equal(got, want)
 
 
+def test_a_product_with_a_bias_left_alone():
+    """``F.linear(x, w, bias)`` (an ``addmm`` whose ``b`` is one row, broadcast): eager adds the
+    bias inside its one rounding, the fused product plus the bias would round twice; so its
+    products are not fused, and the results stay eager's."""
+    x, w, v = torch.randn(8, 256, **bf16), *_weights(64, 32, k=256)
+    b, c = torch.randn(64, **bf16) * 10, torch.randn(32, **bf16) * 10
+    linear = torch.nn.functional.linear
+    matches, ops, _, want, got = _rewrite(lambda x, w, b, v, c: (linear(x, w, b), linear(x, v, c)), x, w, b, v, c)
+    assert (matches, ops) == (0, [])
+    assert all(torch.equal(g, e) for g, e in zip(got, want))
+
+
+def test_a_residual_computed_after_the_first_product():
+    """A group whose ``addmm`` adds a residual computed from the group's first product: each
+    product's output is taken where the product was, after what it reads."""
+    x, w, v = torch.randn(4, 64, **bf16), *_weights(32, 32)
+
+    def fn(x, w, v):
+        r = (x @ w.T) * 2
+        return torch.addmm(r, x, v.T)
+
+    matches, ops, counts, _, got = _rewrite(fn, x, w, v)
+    assert (matches, ops, counts) == (1, [FUSED], [2])
+    assert torch.equal(got, (x @ w.T) * 2 + x @ v.T)
+
+
 class _CountingAddmm(FuseSharedInputLinearsPass):
     """The pass, counting the graph's ``addmm`` nodes before and after it runs."""
 
