@@ -15,13 +15,14 @@ in the post-grad graph once :class:`~.inplace_mutations.InplaceMutationsPass` ha
 in-place calls again (run it after that pass): a write whose key is a ``compress_kv`` call read by
 nothing else, with the entry width the write's layout takes, on one of ``devices`` (CUDA by
 default: elsewhere the op is the same math), and no node between the two that mutates anything or
-reads the compressor's state (the fused call takes the write's place, so the state is updated
-later than it was). The fused call writes what the two wrote, byte for byte on the GPU.
+reads the compressor's state, directly or through a view of it made earlier (the fused call takes
+the write's place, so the state is updated later than it was). The fused call writes what the two wrote, byte for byte on the GPU.
 """
 
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .. import ops  # noqa: F401  (registers dsv4::compress_kv_store)
 from ..config import HEAD_DIM, INDEX_HEAD_DIM
@@ -71,12 +72,22 @@ class FuseEntryStorePass(OnDevicesPass):
         if not (isinstance(kv, torch.Tensor) and isinstance(norm_weight, torch.Tensor)
                 and kv.device.type in self.devices and norm_weight.shape == (width,)):
             return None
+        state = _storage(c["state"], key)
         node = entries.next
         while node is not write:
-            if may_mutate(node) or c["state"] in node.all_input_nodes:
+            reads_state = c["state"] in node.all_input_nodes or (
+                state is not None and any(_storage(i, key) == state for i in node.all_input_nodes))
+            if may_mutate(node) or reads_state:
                 return None
             node = node.next
         return c
+
+
+def _storage(node: object, key: str) -> StorageWeakRef | None:
+    """The storage of ``node``'s traced value (a view made of the state before the compressor
+    shares the state's), or None where it has none."""
+    value = node.meta.get(key) if isinstance(node, torch.fx.Node) else None
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 
 
 _COMPRESS_ARGS = tuple(a.name for a in _COMPRESS.default._schema.arguments if a.name != "state")

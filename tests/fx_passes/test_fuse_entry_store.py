@@ -75,13 +75,20 @@ def test_compressor_and_its_write_fused(d, pre_grad):
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
-@pytest.mark.parametrize("case", ["entries-read-again", "state-read-between", "cuda-only"])
+@pytest.mark.parametrize("case", ["entries-read-again", "state-read-between", "state-view-read-between",
+                                  "cuda-only"])
 def test_other_pairs_left_alone(case):
-    """Entries something else reads too, a read of the state between the two calls (the fused call
-    would update it later) and a pass that matches CUDA tensors only: the two ops stay."""
+    """Entries something else reads too, a read of the state between the two calls, directly or
+    through a view made before the compressor (the fused call would update it later), and a pass
+    that matches CUDA tensors only: the two ops stay."""
     def fn(cache, slots, a):
+        row = a["state"][0]
         entries = torch.ops.dsv4.compress_kv(**a)
-        ring = a["state"].sum() if case == "state-read-between" else None
+        ring = None
+        if case == "state-read-between":
+            ring = a["state"].sum()
+        elif case == "state-view-read-between":
+            ring = row.sum()
         torch.ops.dsv4.store_kv(cache, slots, entries, PAGE)
         return entries.float().sum() if case == "entries-read-again" else ring
 
