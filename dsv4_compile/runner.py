@@ -174,10 +174,15 @@ class ModelRunner(StepBuilder):
         counts that differ — so that a compiled ``step_fn`` has traced its frame (counts are
         dynamic, 1 included: docs/compile.md, "Frames and the recompile limit") before real
         requests arrive. The steps run on throw-away requests, released afterwards (their rows
-        start clean when admitted again)."""
+        start clean when admitted again); a class needing more request rows than are free is
+        skipped (a one-request cache runs the first two)."""
         for counts, num_logits in (([1], 2), ([3], 2), ([3, 3], 3)):
-            rows = [self.admit() for _ in counts]
+            if len(counts) > self.free_capacity()[0]:
+                continue
+            rows = []
             try:
+                for _ in counts:
+                    rows.append(self.admit())  # one at a time: a failing admit leaves the others released
                 step = self.build_step(ForwardMode.EXTEND, dict(zip(rows, counts)))
                 self.step_fn(*self._token_inputs(step, [0] * step.num_tokens, [0] * num_logits))
             finally:

@@ -181,6 +181,16 @@ def test_requests_that_cannot_fit_are_refused_before_anything_is_written(tiny_hf
         torch.testing.assert_close(got, runner.score([ids])[0], atol=1e-2, rtol=0)
 
 
+def test_warmup_of_a_one_request_cache_leaves_no_row_held(tiny_hf_dir):
+    """A cache of one request row: ``warmup()`` skips the class of several requests and leaves the
+    row free, and the runner then scores (before, the row admitted for that class stayed held)."""
+    backend = enable(load_tiny_hf(tiny_hf_dir), max_requests=1, max_seq_len=256)
+    runner = ModelRunner(backend, max_step_tokens=16)
+    runner.warmup()
+    assert not backend.allocator.active_rows
+    assert len(runner.score([ids_of(5, 1)])[0]) == 4
+
+
 def test_after_warmup_a_stream_of_requests_compiles_no_new_frame(backend):
     """``compile_step`` (Dynamo, fullgraph, default config; the eager backend to keep the test
     short): ``warmup()`` compiles every frame; then requests of varying lengths, prefill chunks,
