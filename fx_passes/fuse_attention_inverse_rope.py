@@ -26,7 +26,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from .. import ops  # noqa: F401  (registers dsv4::sparse_attn_inverse_rope)
-from ..config import HEAD_DIM
+from ..config import HEAD_DIM, ROPE_DIM
 from .base import OnDevicesPass, call_arguments, op_calls, traced_value
 
 _ATTN = torch.ops.dsv4.sparse_attn
@@ -79,6 +79,12 @@ class FuseAttentionInverseRopePass(OnDevicesPass):
                 and isinstance(x_val, torch.Tensor) and statically_known_true(x_val.shape[0] == out_val.shape[0])):
             return None
         if not all(isinstance(t, torch.fx.Node) and order[t] < order[attn] for t in (positions, inv_freq)):
+            return None
+        # what sparse_attn_inverse_rope's check takes (grouped_linear takes any power-of-two table)
+        table, at = traced_value(inv_freq), traced_value(positions)
+        if not (isinstance(table, torch.Tensor) and table.dtype == torch.float32
+                and tuple(table.shape) == (ROPE_DIM // 2,)
+                and isinstance(at, torch.Tensor) and at.dtype in (torch.int32, torch.int64)):
             return None
         return attn
 

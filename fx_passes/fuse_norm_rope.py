@@ -156,8 +156,20 @@ def _patterns(devices: tuple[str, ...], with_hf: bool) -> PatternMatcherPass:
 
 
 def _on_devices(devices: tuple[str, ...], match: Match) -> bool:
-    x = match.kwargs["x"].meta.get("val")
-    return isinstance(x, torch.Tensor) and x.dtype in DTYPES and x.device.type in devices
+    x, positions, inv_freq = (match.kwargs[name].meta.get("val") for name in ("x", "positions", "inv_freq"))
+    return (isinstance(x, torch.Tensor) and x.device.type in devices
+            and _fusable_values(x, positions, inv_freq))
+
+
+def _fusable_values(x: object, positions: object, inv_freq: object) -> bool:
+    """Whether ``rms_norm_rope`` takes these traced values (its check, ``ops/norm_rope.py``): x of
+    a kernel dtype, one integer position per token, a power-of-two count of fp32 frequencies
+    for at most x's last dim (a chain outside that, valid in eager, is left as it is)."""
+    return (isinstance(x, torch.Tensor) and x.dtype in DTYPES and isinstance(positions, torch.Tensor)
+            and positions.dtype in (torch.int32, torch.int64) and positions.dim() == 1
+            and statically_known_true(positions.shape[0] == x.shape[0])
+            and isinstance(inv_freq, torch.Tensor) and inv_freq.dtype == torch.float32 and inv_freq.dim() == 1
+            and _power_of_two(inv_freq.shape[0]) and 2 * inv_freq.shape[0] <= x.shape[-1])
 
 
 def _power_of_two(n: object) -> bool:
@@ -212,9 +224,7 @@ class FuseNormRopePass(OnDevicesPass):
                 return None
             inputs.append(positions)
             positions = positions.args[0]
-        p, inv_freq = traced_value(positions), traced_value(r["inv_freq"])
-        if not (isinstance(p, torch.Tensor) and p.dim() == 1 and statically_known_true(p.shape[0] == x.shape[0])
-                and isinstance(inv_freq, torch.Tensor) and _power_of_two(inv_freq.shape[0])):
+        if not _fusable_values(x, traced_value(positions), traced_value(r["inv_freq"])):
             return None
         return (n["x"], n["weight"], n["eps"], False, positions, r["inv_freq"]), inputs
 

@@ -56,11 +56,14 @@ def test_rotation_moves_into_the_attention():
     assert want.abs().sum() > 0 and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("case", ["output-read-again", "no-rotation", "cuda-only"])
+@pytest.mark.parametrize("case", ["output-read-again", "no-rotation", "short-table", "cuda-only"])
 def test_other_chains_left_alone(case):
     """The attention output read by something else too, a product without positions (nothing to
-    move) and a pass that matches CUDA tensors only: the ops stay as they are."""
+    move), a rotation of 16 frequencies (``grouped_linear`` takes it, the attention's rotation
+    takes 32) and a pass that matches CUDA tensors only: the ops stay as they are."""
     def fn(attn_args, positions, inv_freq, w):
+        if case == "short-table":
+            inv_freq = inv_freq[:16].clone()  # before the attention, as a table the pass could move
         out, _ = torch.ops.dsv4.sparse_attn(*attn_args)
         x = out.reshape(out.shape[0], GROUPS, HEADS * 512 // GROUPS)
         rotation = (None, None) if case == "no-rotation" else (positions, inv_freq)

@@ -106,6 +106,22 @@ def test_other_chains_left_alone(case):
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("case", ["one-position", "rope-on-48-dims"])
+def test_chains_the_fused_op_refuses_left_alone(case):
+    """A key's chain at one position broadcast over its tokens, or with RoPE on 48 dims (24
+    frequencies, not a power of two): valid in eager, refused by ``rms_norm_rope``'s check, so left
+    as they are (before, matched and then failing the compile)."""
+    x, positions, inv_freq = _inputs(None)
+    if case == "one-position":
+        positions = positions[:1].clone()
+    else:
+        inv_freq = 10000.0 ** (-torch.arange(0, 48, 2).float() / 48)
+    norm = NORMS["reference weighted"]
+    matches, ops, want, got = _compiled(lambda x, p, f: rope_tail(norm(x), p, f), x, positions, inv_freq)
+    assert (matches, ops) == (0, [])
+    torch.testing.assert_close(got, want)
+
+
 def test_uuid_follows_the_devices():
     assert FuseNormRopePass(("cpu",)).uuid() != FuseNormRopePass().uuid()
 
