@@ -39,8 +39,8 @@ import torch
 
 from .cache import DSV4Cache
 from .config import PAGE_SIZE, SWA_WINDOW
+from .counts import check_count
 from .transfer import to_device
-from .validate import check_count
 
 
 class OutOfPagesError(RuntimeError):

@@ -28,6 +28,7 @@ from torch import nn
 
 from . import layout
 from .config import HEAD_DIM, INDEX_HEAD_DIM, PAGE_SIZE, DSV4AttnConfig
+from .counts import check_count
 
 _EXTRA_PAGE_SIZE = {4: layout.C4_PAGE_SIZE, 128: layout.C128_PAGE_SIZE}
 
@@ -76,8 +77,8 @@ class DSV4Cache(nn.Module):
         super().__init__()
         for name, value in (("max_requests", max_requests), ("max_seq_len", max_seq_len),
                             ("num_full_pages", num_full_pages), ("num_swa_pages", num_swa_pages)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
-                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value is not None:
+                check_count(name, value)
         if max_requests < 1:
             raise ValueError(f"max_requests={max_requests} must be >= 1")
         if max_seq_len < PAGE_SIZE or max_seq_len % PAGE_SIZE:

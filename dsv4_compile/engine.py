@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterable, Mapping
 import torch
 
 from .allocator import PageAllocator
+from .counts import check_count
 from .layer import DSV4AttentionStack
 from .step import ForwardMode, StepInputs
 from .step_builder import StepBuilder
-from .validate import check_count
 
 Forward = Callable[[torch.Tensor, StepInputs], torch.Tensor]
 

@@ -31,7 +31,7 @@ from . import hf_hyper_connection as hyper_connection
 from .hf_layer import HFAttention
 from .layer import paged_attention, prepare_step
 from .runner import ModelRunner
-from .step import StepInputs
+from .step import StepInputs, check_step
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -145,8 +145,7 @@ def head_logits(model: nn.Module, streams: torch.Tensor) -> torch.Tensor:
 def check_model_inputs(backend, input_ids, step: StepInputs, logit_rows) -> None:
     """Host checks of the model-specific inputs of a step of ``backend`` (a ``ModelBackend`` or a
     deployed package: its ``cache`` and ``vocab_size``); the step itself is checked by ``validate_step``."""
-    if not isinstance(step, StepInputs):
-        raise TypeError(f"step must be a StepInputs, got {type(step).__name__}")
+    check_step(step)
     device = backend.cache.device
     for name, t in (("input_ids", input_ids), ("logit_rows", logit_rows)):
         if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1:

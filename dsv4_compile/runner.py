@@ -27,11 +27,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import PAGE_SIZE, SWA_WINDOW
+from .counts import check_count
 from .sampling import check_sampling, sample_tokens
 from .step import TOKEN_BUCKETS, ForwardMode, StepInputs, bucket
 from .step_builder import StepBuilder
 from .transfer import to_device
-from .validate import check_count
 
 if TYPE_CHECKING:
     from .model import ModelBackend

@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 
 from . import ops  # noqa: F401  (registers the dsv4:: ops build_step_metadata calls)
 from .config import DSV4AttnConfig
+from .counts import check_count
 from .metadata_chain import FIELDS, run_chain
 
 if TYPE_CHECKING:
@@ -98,7 +99,7 @@ class StepInputs:
                              f"{[t.shape[0] for t in per_request.values()]}")
         loc = _index_vector("out_cache_loc", out_cache_loc, torch.int64, device)
         if num_tokens is not None:
-            _check_token_count(num_tokens)
+            check_count("num_tokens", num_tokens)
             if num_tokens < loc.shape[0]:
                 raise ValueError(f"num_tokens={num_tokens} is less than the {loc.shape[0]} real tokens")
             loc = torch.cat([loc, loc.new_zeros(num_tokens - loc.shape[0])])
@@ -107,7 +108,7 @@ class StepInputs:
     @classmethod
     def idle(cls, num_tokens: int = 0, device=None) -> "StepInputs":
         """A step of ``num_tokens`` padding rows and no request."""
-        _check_token_count(num_tokens)
+        check_count("num_tokens", num_tokens)
         empty = torch.zeros(0, dtype=torch.int32, device=device)
         return cls(ForwardMode.IDLE, empty, empty, empty,
                    torch.zeros(num_tokens, dtype=torch.int64, device=device))
@@ -119,11 +120,10 @@ def check_mode(mode) -> None:
         raise TypeError(f"mode must be a ForwardMode, got {type(mode).__name__}")
 
 
-def _check_token_count(num_tokens) -> None:
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int):
-        raise TypeError(f"num_tokens must be an int, got {type(num_tokens).__name__}")
-    if num_tokens < 0:
-        raise ValueError(f"num_tokens={num_tokens} must be >= 0")
+def check_step(step) -> None:
+    """``TypeError`` naming ``step`` unless it is a :class:`StepInputs`."""
+    if not isinstance(step, StepInputs):
+        raise TypeError(f"step must be a StepInputs, got {type(step).__name__}")
 
 
 def _index_vector(name: str, values, dtype: torch.dtype, device) -> torch.Tensor:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .allocator import PageAllocator
+from .counts import check_count
 from .step import REQUEST_BUCKETS, TOKEN_BUCKETS, ForwardMode, StepInputs, bucket, check_mode
 from .transfer import to_device
-from .validate import check_count
 
 
 class StepBuilder:

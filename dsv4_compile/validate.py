@@ -3,8 +3,7 @@
 :meth:`DSV4AttentionStack.forward <dsv4_compile.layer.DSV4AttentionStack.forward>` calls
 :func:`validate_step` on every eager call (unless ``validate=False``). It reads values on the
 host, so a compiled step never runs it: there only the ops' own shape / dtype checks apply (at
-trace time), and the values in a step's tensors are not checked. :func:`check_count` is the
-check of the allocator's and the engine's token counts and rows.
+trace time), and the values in a step's tensors are not checked.
 """
 
 from __future__ import annotations
@@ -13,19 +12,10 @@ import torch
 
 from .cache import DSV4Cache
 from .config import PAGE_SIZE, DSV4AttnConfig
-from .step import ForwardMode, StepInputs
+from .step import ForwardMode, StepInputs, check_step
 
 _INT = (torch.int32, torch.int64)
 _STEP_TENSORS = ("req_rows", "seq_lens", "extend_lens", "out_cache_loc")
-
-
-def check_count(name: str, value) -> int:
-    """``value`` as a non-negative Python int (a bool, float or tensor is refused by name)."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name}={value} must be >= 0")
-    return value
 
 
 def _fail(name: str, why: str) -> None:
@@ -59,8 +49,7 @@ def validate_step(config: DSV4AttnConfig, cache: DSV4Cache, x: torch.Tensor, ste
     """Check ``x [T, hidden] bf16`` and ``step`` against the cache and its index maps; raise
     ValueError / TypeError naming the offending argument. Reads nothing but the step, ``x``'s
     metadata and ``req_to_token``; writes nothing."""
-    if not isinstance(step, StepInputs):
-        raise TypeError(f"step must be a StepInputs, got {type(step).__name__}")
+    check_step(step)
     if not isinstance(step.mode, ForwardMode):
         raise TypeError(f"step.mode must be a ForwardMode, got {type(step.mode).__name__}")
     for name in _STEP_TENSORS:
