@@ -173,6 +173,7 @@ def feed(runner: "ModelRunner", tokens: dict[int, list[int]], keep: dict[int, in
             fed[row] = end
         logits = runner.run_step(step, ids, logit_rows)
         for row, start, n in parts:
-            out[row].append(logits[start:start + n])
+            # a compiled step's output may be the graph's own buffer, which its next call overwrites
+            out[row].append(logits[start:start + n].clone())
     empty = runner.backend.new_logits(0, runner.backend.vocab_size)
     return {row: torch.cat(p) if p else empty for row, p in out.items()}

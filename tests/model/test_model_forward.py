@@ -152,6 +152,29 @@ def test_use_cache_returns_a_paged_cache_a_decode_loop_continues(backend):
     assert not backend.allocator.active_rows
 
 
+def test_use_cache_keeps_each_steps_logits_when_the_step_reuses_its_output(backend):
+    """A prompt longer than a step (``max_step_tokens`` 16) fed with ``use_cache=True``, through a
+    step that returns one buffer per shape and overwrites it on the next call (a CUDA-graph step's
+    contract): every position's logits are those of the step that computed them."""
+    from dsv4_compile.runner import ModelRunner
+
+    buffers = {}
+
+    def graph_like_step(ids, step, rows):
+        out = backend(ids, step, rows)
+        return buffers.setdefault(tuple(out.shape), torch.empty_like(out)).copy_(out)
+
+    model, prompt, default = backend.model, ids_of(40, 11).unsqueeze(0), backend.runner
+    try:
+        backend.runner = ModelRunner(backend, max_step_tokens=16)
+        want = model(prompt, use_cache=True).logits
+        backend.runner = ModelRunner(backend, step_fn=graph_like_step, max_step_tokens=16)
+        got = model(prompt, use_cache=True).logits
+    finally:
+        backend.runner = default
+    torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("flag", ["output_router_logits", "output_hidden_states"])
 def test_outputs_asked_for_by_the_config_run_the_original_forward(backend, flag):
     """An output the backend does not make, asked for by the model's config rather than by keyword,
