@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import weakref
 from typing import TYPE_CHECKING
 
@@ -40,6 +41,8 @@ _DRAFT_LENGTHS = ("num_assistant_tokens", "num_output_tokens")
 
 def install(backend: "ModelBackend") -> None:
     """Make ``backend.model.generate()`` run over the backend's paged cache (module docstring)."""
+    from transformers.generation.configuration_utils import GenerationMode
+
     from .hf_cache import DSV4PagedCache  # imports transformers: loaded with any model
 
     model = backend.model
@@ -54,6 +57,12 @@ def install(backend: "ModelBackend") -> None:
                              "cannot be reordered (use num_beams=1, or backend.close() first)")
         if (model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False
                 or generation_config.cache_implementation is not None):
+            if generation_mode == GenerationMode.ASSISTED_GENERATION and not isinstance(model_kwargs.get("past_key_values"),
+                                                                            DSV4PagedCache):
+                # transformers' own cache runs the original forward, whose compressor state cannot roll back
+                raise ValueError(f"assisted generation is not supported with stateful models, such as "
+                                 f"{type(model).__name__}, on transformers' own cache: let generate build the "
+                                 f"backend's cache (no cache_implementation, no past_key_values of another type)")
             return prepare(generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         model_kwargs["past_key_values"] = cache = DSV4PagedCache(backend, max_length=max_cache_length)
         created.append(cache)
@@ -76,7 +85,8 @@ def install(backend: "ModelBackend") -> None:
 
     @functools.wraps(candidate_generator)
     def capped_candidate_generator(*args, **kwargs):
-        return capped(candidate_generator(*args, **kwargs), backend.config.max_draft_tokens)
+        config = inspect.signature(candidate_generator).bind(*args, **kwargs).arguments["generation_config"]
+        return capped(candidate_generator(*args, **kwargs), backend.config.max_draft_tokens, config.max_length)
 
     model._prepare_cache_for_generation = prepare_cache
     model._get_candidate_generator = capped_candidate_generator
@@ -97,20 +107,26 @@ def uninstall(backend: "ModelBackend") -> None:
         model.__dict__.pop(name, None)
 
 
-def capped(generator, max_draft: int):
+def capped(generator, max_draft: int, max_length: int):
     """``generator`` (a ``transformers`` candidate generator) drafting at most ``max_draft`` tokens
     a step: before each draft its draft length is capped, whether configured longer or grown by
-    the heuristic schedule (which adds 2 after every fully accepted draft). The wrapper holds the
-    generator weakly: a cycle would keep it, and the draft cache it holds, alive past ``generate``
-    (until a garbage collection), and with them the draft model's request rows."""
+    the heuristic schedule (which adds 2 after every fully accepted draft). Its candidate sequences
+    are cut to ``max_length - 1`` tokens, the most a verify step feeds within generate's length
+    (prompt lookup's own cap lets a draft run to ``max_length``, past what the cache was sized for).
+    The wrapper holds the generator weakly: a cycle would keep it, and the draft cache it holds,
+    alive past ``generate`` (until a garbage collection), and with them the draft model's request
+    rows."""
     this, get_candidates = weakref.ref(generator), type(generator).get_candidates
 
-    def get_capped_candidates(*args, **kwargs):
+    def get_capped_candidates(input_ids, *args, **kwargs):
         generator = this()
         for name in _DRAFT_LENGTHS:
             if getattr(generator, name, None) is not None:
                 setattr(generator, name, min(getattr(generator, name), max_draft))
-        return get_candidates(generator, *args, **kwargs)
+        candidate_ids, candidate_logits = get_candidates(generator, input_ids, *args, **kwargs)
+        drafted = max(min(candidate_ids.shape[1], max_length - 1) - input_ids.shape[1], 0)
+        candidate_ids = candidate_ids[:, :input_ids.shape[1] + drafted]
+        return candidate_ids, None if candidate_logits is None else candidate_logits[:, :drafted]
 
     generator.get_candidates = get_capped_candidates
     return generator

@@ -160,6 +160,54 @@ def test_drafts_longer_than_max_draft_tokens_are_capped(backend, tiny_hf_dir):
     assert not backend.allocator.active_rows and not draft.allocator.active_rows
 
 
+def test_prompt_lookup_up_to_the_cache_capacity_gives_plain_greedy(backend):
+    """Prompt lookup on a prompt of a repeated 4-gram, generating up to the last position the cache
+    holds (prompt + max_new_tokens - 1 = max_seq_len): its drafts are cut at generate's length, so
+    the verify steps stay within the cache and the tokens are plain greedy's (before, a draft ran
+    past ``max_length - 1`` and the step was refused mid-generation; this prompt's tokens draft
+    to the end)."""
+    prompt = torch.randint(2, VOCAB, (4,), generator=torch.Generator().manual_seed(0)).repeat(60)[None]
+    new_tokens = backend.cache.max_seq_len - prompt.shape[1] + 1
+    with recorded_rollbacks(backend.allocator) as rollbacks:
+        looked_up = greedy(backend.model, prompt, None, new_tokens, prompt_lookup_num_tokens=4)
+    assert rollbacks and torch.equal(looked_up, greedy(backend.model, prompt, None, new_tokens))
+    assert not backend.allocator.active_rows
+
+
+def test_capped_candidates_stop_one_short_of_max_length():
+    """A draft generator whose candidates run past ``max_length - 1`` (as prompt lookup's do) is cut
+    there, its draft logits with it, and its draft length is capped at ``max_draft``."""
+    from dsv4_compile.hf_generate import capped
+
+    class Drafting:
+        num_output_tokens = 10
+
+        def get_candidates(self, input_ids):
+            draft = torch.arange(6)[None]
+            return torch.cat([input_ids, draft], 1), torch.randn(1, 6, VOCAB)
+
+    generator = capped(Drafting(), 4, max_length=8)
+    ids, logits = generator.get_candidates(torch.zeros(1, 5, dtype=torch.int64))
+    assert ids.tolist() == [[0] * 5 + [0, 1]] and logits.shape == (1, 2, VOCAB)
+    assert generator.num_output_tokens == 4
+    ids, logits = generator.get_candidates(torch.zeros(1, 7, dtype=torch.int64))
+    assert ids.shape == (1, 7) and logits.shape == (1, 0, VOCAB)
+
+
+@pytest.mark.parametrize("cache", ["cache_implementation", "past_key_values"])
+def test_assisted_generation_on_transformers_own_cache_is_refused(backend, cache):
+    """Assisted generation on ``transformers``' own cache would run the original forward, whose
+    compressor state cannot roll back: refused as ``transformers`` refuses it without the backend,
+    before any token is generated."""
+    from transformers import DynamicCache
+
+    kwargs = {"cache_implementation": "dynamic"} if cache == "cache_implementation" else \
+        {"past_key_values": DynamicCache(config=backend.model.config)}
+    with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
+        greedy(backend.model, ids_of(8, 51).repeat(2)[None], None, 4, prompt_lookup_num_tokens=4, **kwargs)
+    assert not backend.allocator.active_rows
+
+
 def test_rollback_deeper_than_max_draft_tokens_is_refused(backend):
     """``crop`` past ``max_draft_tokens`` raises, naming the limit, and changes nothing; ``reset``
     and dropping the cache release its rows."""
