@@ -6,7 +6,8 @@ the model instance (docs/model.md, "generate()"):
 * ``_prepare_cache_for_generation``: when ``generate`` would build its own cache (none passed,
   ``use_cache`` on, no ``cache_implementation``), it builds a
   :class:`~dsv4_compile.hf_cache.DSV4PagedCache` instead; beam search is refused (the rows cannot
-  be reordered); anything else goes to ``transformers``.
+  be reordered), and so is assisted generation on ``transformers``' own cache (it cannot roll
+  back); anything else goes to ``transformers``.
 * ``generate``: releases the request rows of the caches built during the call when it returns or
   raises — except the cache it returns (``return_dict_in_generate``), whose rows go back when that
   object is reset or dropped. Nested calls (the model drafting for itself) release at the outer one.
@@ -15,7 +16,7 @@ the model instance (docs/model.md, "generate()"):
 * ``_get_candidate_generator``: the draft generator ``transformers`` builds for assisted
   generation (a draft model, this model drafting for itself, prompt lookup) drafts at most
   ``max_draft_tokens`` tokens a step, however long its configured or heuristically grown draft
-  length (a deeper rollback is refused).
+  length (a deeper rollback is refused), and no candidate runs past ``max_length - 1`` tokens.
 * ``_optimize_model_for_decode``: a no-op, so decoding keeps the experts implementation
   ``enable`` set instead of ``transformers`` switching it on accelerators.
 """
