@@ -58,8 +58,8 @@ def install(backend: "ModelBackend") -> None:
                              "cannot be reordered (use num_beams=1, or backend.close() first)")
         if (model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False
                 or generation_config.cache_implementation is not None):
-            if generation_mode == GenerationMode.ASSISTED_GENERATION and not isinstance(model_kwargs.get("past_key_values"),
-                                                                            DSV4PagedCache):
+            passed = model_kwargs.get("past_key_values")
+            if generation_mode == GenerationMode.ASSISTED_GENERATION and not isinstance(passed, DSV4PagedCache):
                 # transformers' own cache runs the original forward, whose compressor state cannot roll back
                 raise ValueError(f"assisted generation is not supported with stateful models, such as "
                                  f"{type(model).__name__}, on transformers' own cache: let generate build the "
