@@ -8,7 +8,9 @@ On CUDA it runs the routed experts through ``dsv4::routed_experts`` (two launche
 step's few slots: ``ops/experts.py``) and weights and sums each token's slots as transformers
 does (traced, so Inductor fuses it with the shared expert's sum); anywhere the op would not compute
 exactly what transformers computes (another device, tensor-parallel or quantised weights, another
-gate) it is transformers' own ``grouped_mm`` implementation.
+gate) it is transformers' own ``grouped_mm`` implementation, or its ``batched_mm`` one where the
+products' rows are not 16-byte aligned as ``grouped_mm`` needs (an expert width not divisible by 8
+in bf16, on one rank or per rank under tensor parallelism).
 
 :func:`moe_forward` is a MoE block's forward (``DeepseekV4SparseMoeBlock.forward``) with the routed
 experts, the shared expert and a hash-routed layer's router product in one op,
@@ -69,12 +71,23 @@ def experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: t
     """transformers' experts interface: ``hidden_states [T, H]``, ``top_k_index [T, K]``,
     ``top_k_weights [T, K]`` -> ``[T, H]``, the weighted sum of each token's routed experts."""
     if not runs_routed_experts_op(self, hidden_states):
-        from transformers.integrations.moe import grouped_mm_experts_forward
+        from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 
-        return grouped_mm_experts_forward(self, hidden_states, top_k_index, top_k_weights)
+        grouped = grouped_mm_experts_forward if _rows_aligned(self, hidden_states) else batched_mm_experts_forward
+        return grouped(self, hidden_states, top_k_index, top_k_weights)
     slots = torch.ops.dsv4.routed_experts(hidden_states, top_k_index, self.gate_up_proj, self.down_proj,
                                           float(self.limit))
     return _weighted_sum(slots, top_k_weights, hidden_states.dtype)
+
+
+def _rows_aligned(experts: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """Whether every row of the experts' products starts at a multiple of 16 bytes, as torch's
+    ``grouped_mm`` requires (on the CPU and CUDA): the hidden size and the weights' last two sizes
+    (this rank's shard under tensor parallelism), e.g. an expert width divisible by 8 in bf16."""
+    sizes = [hidden_states.shape[-1]]
+    for weight in (experts.gate_up_proj, experts.down_proj):
+        sizes += (weight.to_local() if hasattr(weight, "to_local") else weight).shape[-2:]
+    return all(n * hidden_states.element_size() % 16 == 0 for n in sizes)
 
 
 def _weighted_sum(slots: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,7 +6,7 @@ import copy
 
 import pytest
 import torch
-from transformers.integrations.moe import grouped_mm_experts_forward
+from transformers.integrations.moe import batched_mm_experts_forward, grouped_mm_experts_forward
 from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4Experts
 
 from dsv4_compile import hf_experts
@@ -106,6 +106,16 @@ def test_dsv4_implementation_is_grouped_mm_off_cuda():
     x, ids, weights = _route(7, 2, module.num_experts)
     assert not hf_experts.runs_routed_experts_op(module, x)
     assert torch.equal(module(x, ids, weights), grouped_mm_experts_forward(module, x, ids, weights))
+
+
+def test_dsv4_implementation_on_unaligned_rows_is_batched_mm_off_cuda():
+    """An expert width whose bf16 rows are not 16 bytes apart (68: a width of 136 split over two
+    tensor-parallel ranks), which torch's grouped_mm refuses: transformers' batched implementation."""
+    hf_experts.register()
+    module = _experts(moe_intermediate_size=68)
+    module.config._experts_implementation = hf_experts.IMPLEMENTATION
+    x, ids, weights = _route(7, 2, module.num_experts)
+    assert torch.equal(module(x, ids, weights), batched_mm_experts_forward(module, x, ids, weights))
 
 
 def test_bad_arguments_name_themselves():
