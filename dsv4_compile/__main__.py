@@ -28,8 +28,8 @@ from pathlib import Path
 
 from .config import PAGE_SIZE
 from .evaluate import InputError, Plan, evaluate
-from .evaluate.inputs import (builtin_config, builtin_corpus, check_device, check_lengths, checkpoint_config,
-                              read_jsonl)
+from .evaluate.inputs import (builtin_config, builtin_corpus, check_device, check_lengths, check_output_file,
+                              check_tp_size, checkpoint_config, read_jsonl)
 from .evaluate.report import summary, write_json
 from .evaluate.run import quiet_libraries
 
@@ -74,15 +74,13 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if ranks > 1 and args.compare_eager:
         raise InputError("--compare-eager: transformers eager needs the whole model in one process, not under torchrun")
     if args.json is not None:
-        if not args.json.parent.is_dir():
-            raise InputError(f"--json {args.json}: no directory {args.json.parent}")
-        if args.json.is_dir() or not os.access(args.json.parent, os.W_OK):
-            raise InputError(f"--json {args.json}: cannot write a file there")
+        check_output_file("--json", args.json)
     if not 0 <= args.seed < 2**63:
         raise InputError(f"--seed {args.seed}: must lie in [0, 2**63)")
     if args.max_seq_len is not None and args.max_seq_len % PAGE_SIZE:
         raise InputError(f"--max-seq-len {args.max_seq_len}: must be a multiple of {PAGE_SIZE}")
     config = builtin_config() if args.model is None else checkpoint_config(args.model)
+    check_tp_size(config, ranks)
     if args.max_seq_len is not None and args.max_seq_len > config.max_position_embeddings:
         raise InputError(f"--max-seq-len {args.max_seq_len}: the model's max_position_embeddings is "
                          f"{config.max_position_embeddings}")

@@ -84,7 +84,8 @@ class DeployedModel:
         _check_cache(path, self.cache, info)
         self.allocator = PageAllocator(self.cache)
         self.device_mesh = None  # a package runs on one device
-        self.runner = ModelRunner(self, max_step_tokens=info.limits.max_tokens)
+        # unbucketed: the programs take any size within the limits, and a bucket may lie beyond them
+        self.runner = ModelRunner(self, max_step_tokens=info.limits.max_tokens, bucketed=False)
 
     @property
     def vocab_size(self) -> int:
@@ -107,6 +108,7 @@ class DeployedModel:
         if step.num_tokens == 0:
             return self.empty_output(input_ids, logit_rows)
         name = "decode" if self._is_decode(step) else "extend"
+        step, input_ids, logit_rows = _as_exported(step), _as_int64(input_ids), _as_int64(logit_rows)
         return self.programs[name](input_ids, *step.tensors(), logit_rows, *self.cache.buffers())
 
     def _is_decode(self, step: StepInputs) -> bool:
@@ -116,12 +118,26 @@ class DeployedModel:
         limits = self.info.limits
         for name, n, most in (("step.out_cache_loc", step.num_tokens, limits.max_tokens),
                               ("step.req_rows", step.batch_size, limits.max_batch),
-                              ("logit_rows", logit_rows.shape[0], limits.max_tokens)):
+                              ("logit_rows", logit_rows.shape[0], limits.max_logit_rows)):
             if n > most:
                 raise ValueError(f"{name} has {n} rows; the package {self.path} was built for at most {most}")
         if "extend" not in self.programs and not self._is_decode(step):
             raise ValueError(f"step: the package {self.path} holds only {list(self.programs)}, not a program "
                              f"for a {step.mode.value} step of {step.num_tokens} rows and {step.batch_size} requests")
+
+
+def _as_exported(step: StepInputs) -> StepInputs:
+    """``step`` as the programs were exported for, which they take without checking: contiguous
+    tensors in :class:`StepInputs`' dtypes (validation takes int32 and int64 alike) and at least one
+    request (a step of none gets the padding request the step builder adds: row 0, no tokens)."""
+    per_request = [t.to(torch.int32).contiguous() for t in step.tensors()[:3]]
+    if step.batch_size == 0:
+        per_request = [t.new_zeros(1) for t in per_request]
+    return StepInputs(step.mode, *per_request, _as_int64(step.out_cache_loc))
+
+
+def _as_int64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.int64).contiguous()
 
 
 def _rows_like(input_ids: torch.Tensor, config: DSV4AttnConfig) -> torch.Tensor:
@@ -178,29 +194,35 @@ def greedy_generate(model, prompts: list[list[int]], max_new_tokens: int, *, chu
     prompt prefilled alone in chunks of at most ``chunk`` tokens, then one decode step per new
     token for every request together. ``model``: a :class:`DeployedModel` or a
     :class:`~dsv4_compile.model.ModelBackend` (its eager step), with free request rows for every
-    prompt; the rows are released at the end. Returns ``max_new_tokens`` ids per prompt."""
+    prompt; the rows are released at the end, also when a step raises. Returns ``max_new_tokens`` ids per
+    prompt (an empty prompt is a ``ValueError``)."""
     if max_new_tokens < 1 or chunk < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} and chunk={chunk} must be >= 1")
+    if empty := [i for i, prompt in enumerate(prompts) if not len(prompt)]:
+        raise ValueError(f"prompts: prompt {empty[0]} is empty (a continuation needs at least one token)")
     alloc, device = model.allocator, model.cache.device
 
     def ids(values: list[int]) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     rows, tokens = [], []
-    for prompt in prompts:
-        rows.append(alloc.admit())
-        for start in range(0, len(prompt), chunk):
-            part = prompt[start:start + chunk]
-            loc = alloc.extend(rows[-1], len(part))
-            step = StepInputs.make(ForwardMode.EXTEND, [rows[-1]], [alloc.seq_len(rows[-1])], [len(part)], loc)
-            logits = model(ids(part), step, ids([len(part) - 1]))
-        tokens.append([int(logits[0].float().argmax())])
-    for _ in range(max_new_tokens - 1):
-        loc = torch.cat([alloc.extend(row, 1) for row in rows])
-        step = StepInputs.make(ForwardMode.DECODE, rows, [alloc.seq_len(row) for row in rows], [1] * len(rows), loc)
-        best = model(ids([t[-1] for t in tokens]), step, ids(list(range(len(rows))))).float().argmax(-1).tolist()
-        for t, b in zip(tokens, best):
-            t.append(b)
-    for row in rows:
-        alloc.free(row)
+    try:
+        for prompt in prompts:
+            rows.append(alloc.admit())
+            for start in range(0, len(prompt), chunk):
+                part = prompt[start:start + chunk]
+                loc = alloc.extend(rows[-1], len(part))
+                step = StepInputs.make(ForwardMode.EXTEND, [rows[-1]], [alloc.seq_len(rows[-1])], [len(part)], loc)
+                logits = model(ids(part), step, ids([len(part) - 1]))
+            tokens.append([int(logits[0].float().argmax())])
+        for _ in range(max_new_tokens - 1):
+            loc = torch.cat([alloc.extend(row, 1) for row in rows])
+            step = StepInputs.make(ForwardMode.DECODE, rows, [alloc.seq_len(row) for row in rows], [1] * len(rows),
+                                   loc)
+            best = model(ids([t[-1] for t in tokens]), step, ids(list(range(len(rows))))).float().argmax(-1).tolist()
+            for t, b in zip(tokens, best):
+                t.append(b)
+    finally:
+        for row in rows:
+            alloc.free(row)
     return tokens

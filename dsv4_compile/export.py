@@ -63,11 +63,18 @@ METADATA_KEY = "dsv4_compile"
 
 @dataclasses.dataclass(frozen=True)
 class ExportLimits:
-    """Largest symbolic sizes of the exported programs: ``max_tokens`` query rows (and logit
-    rows) and ``max_batch`` requests a step (padding requests included)."""
+    """Largest symbolic sizes of the exported programs: ``max_tokens`` query rows and
+    ``max_batch`` requests a step (padding requests included); logit rows up to
+    :attr:`max_logit_rows`."""
 
     max_tokens: int
     max_batch: int
+
+    @property
+    def max_logit_rows(self) -> int:
+        """``max_tokens``, and at least 2: a runner pads its logit rows to 2 (``ModelRunner.run_step``),
+        which the programs take whatever the limits (their example size)."""
+        return max(self.max_tokens, _EXAMPLE_REQUESTS)
 
     def __post_init__(self):
         for name in ("max_tokens", "max_batch"):
@@ -130,7 +137,7 @@ def dynamic_shapes(program: str, limits: ExportLimits, num_cache: int) -> tuple:
     symbolic size, and the examples must be above 1 to stay symbolic); ``deploy`` enforces the limits."""
     batch = Dim("requests", min=1, max=max(limits.max_batch, _EXAMPLE_REQUESTS))
     tokens = batch if program == "decode" else Dim("tokens", min=1, max=max(limits.max_tokens, _EXAMPLE_TOKENS))
-    rows = Dim("logit_rows", min=1, max=max(limits.max_tokens, _EXAMPLE_REQUESTS))
+    rows = Dim("logit_rows", min=1, max=limits.max_logit_rows)
     return ({0: tokens}, {0: batch}, {0: batch}, {0: batch}, {0: tokens}, {0: rows}, (None,) * num_cache)
 
 

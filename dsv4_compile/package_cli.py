@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from .evaluate import InputError
-from .evaluate.inputs import check_device, checkpoint_config, load_checkpoint
+from .evaluate.inputs import check_device, check_output_file, checkpoint_config, load_checkpoint
 from .export import PROGRAMS, ExportLimits, default_limits, package
 from .model import enable
 
@@ -43,6 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.out.suffix != ".pt2":
         raise InputError(f"--out {args.out}: a package file ends in .pt2")
+    check_output_file("--out", args.out)
     if args.max_tokens is not None and args.max_tokens < 1:
         raise InputError(f"--max-tokens {args.max_tokens}: a step has at least 1 query row")
     args.programs = tuple(args.programs.split(","))

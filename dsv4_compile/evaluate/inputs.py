@@ -8,6 +8,7 @@ and line, the sequence — so that the command can print it as one line.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,22 @@ def check_device(name: str | None, local_rank: int | None = None, *, what: str =
     if (device.index or 0) >= count:
         raise InputError(f"{what} {name!r}: this machine has {count} CUDA device(s)")
     return device
+
+
+def check_output_file(flag: str, path: Path) -> None:
+    """:class:`InputError` unless a file can be written at ``path`` (checked before any work)."""
+    if not path.parent.is_dir():
+        raise InputError(f"{flag} {path}: no directory {path.parent}")
+    if path.is_dir() or not os.access(path.parent, os.W_OK):
+        raise InputError(f"{flag} {path}: cannot write a file there")
+
+
+def check_tp_size(config: PretrainedConfig, tp_size: int) -> None:
+    """:class:`InputError` unless ``config``'s model splits over ``tp_size`` tensor-parallel ranks."""
+    try:
+        DSV4AttnConfig.from_hf(config, tp_size=tp_size)
+    except ValueError as e:
+        raise InputError(f"{tp_size} processes: {e}") from None
 
 
 @dataclass

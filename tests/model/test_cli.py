@@ -106,6 +106,13 @@ def test_bad_input_under_torchrun(case, monkeypatch):
         cli.make_plan(cli.parse_args(args))
 
 
+def test_a_process_count_the_heads_do_not_split_over_is_refused(monkeypatch):
+    for name, value in (("WORLD_SIZE", "3"), ("LOCAL_RANK", "0"), ("RANK", "0")):
+        monkeypatch.setenv(name, value)
+    with pytest.raises(cli.InputError, match="3 processes: .*num_attention_heads=.*tensor-parallel size 3"):
+        cli.make_plan(cli.parse_args(["--device", "cpu"]))
+
+
 def test_under_torchrun_each_rank_runs_on_its_own_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
