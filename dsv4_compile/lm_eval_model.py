@@ -35,6 +35,8 @@ from .model import enable
 # (request key or None, context tokens, continuation tokens): what TemplateLM hands _loglikelihood_tokens
 TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]
 MAX_GEN_TOKS = 256  # max_gen_toks when a task does not set it (lm-eval's hf model: the same)
+DEFAULT_BATCH_SIZE = 8  # also what batch_size=auto (lm-eval's search for the largest that fits) gives
+TOP_K = 50  # transformers' top_k when neither gen_kwargs nor the model's generation config sets one
 
 
 @register_model("dsv4")
@@ -44,13 +46,14 @@ class DSV4LM(TemplateLM):
     ``model_args``: ``pretrained`` (a checkpoint directory: ``from_pretrained(dtype=bfloat16)`` and
     its tokenizer), ``max_seq_len`` (the cache's tokens per request, a multiple of 256),
     ``batch_size`` (concurrent requests: the cache's request rows, and the number of
-    log-likelihood requests scored per runner call), ``device`` (default CUDA when present),
+    log-likelihood requests scored per runner call; ``auto``: :data:`DEFAULT_BATCH_SIZE`),
+    ``device`` (default CUDA when present),
     ``compile`` (run the step compiled as ``python -m dsv4_compile`` compiles it,
     :func:`~dsv4_compile.evaluate.run.compiled_step`, warmed up once),
     ``max_step_tokens`` (the runner's rows per step), ``max_length`` (the context lm-eval works
     with — rolling windows, truncation — at most, and by default, ``max_seq_len``)."""
 
-    def __init__(self, pretrained: str, max_seq_len: int = 4096, batch_size: int | str = 8,
+    def __init__(self, pretrained: str, max_seq_len: int = 4096, batch_size: int | str = DEFAULT_BATCH_SIZE,
                  device: str | None = None, compile: bool | str = False, max_step_tokens: int = 256,
                  max_length: int | None = None):
         super().__init__()
@@ -58,6 +61,8 @@ class DSV4LM(TemplateLM):
             self._device = check_device(device, what="device")
         except InputError as e:
             raise ValueError(str(e)) from None
+        if isinstance(batch_size, str) and batch_size.startswith("auto"):
+            batch_size = DEFAULT_BATCH_SIZE  # no memory search: the rows are the cache's, sized up front
         self.batch_size, max_seq_len = _count("batch_size", batch_size), _count("max_seq_len", max_seq_len)
         self.max_length = max_seq_len if max_length is None else _count("max_length", max_length)
         if self.max_length > max_seq_len:
@@ -66,7 +71,8 @@ class DSV4LM(TemplateLM):
         model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.bfloat16).to(self._device)
         backend = enable(model, max_requests=self.batch_size, max_seq_len=max_seq_len)
         compiled = _flag("compile", compile)
-        self.runner, _ = runner_on(backend, compiled=compiled, max_step_tokens=_count("max_step_tokens", max_step_tokens))
+        max_step_tokens = _count("max_step_tokens", max_step_tokens)
+        self.runner, _ = runner_on(backend, compiled=compiled, max_step_tokens=max_step_tokens)
         if compiled:
             self.runner.warmup()
 
@@ -105,6 +111,18 @@ class DSV4LM(TemplateLM):
 
     def tok_decode(self, tokens: list[int]) -> str:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+    @property
+    def tokenizer_name(self) -> str:
+        """Keys lm-eval's request cache under a chat template (as its hf model names it)."""
+        return self.tokenizer.name_or_path.replace("/", "__")
+
+    def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The tokenizer's chat template applied to ``chat_history``, as text (lm-eval's
+        ``--apply_chat_template``)."""
+        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt,
+                                                  continue_final_message=not add_generation_prompt)
 
     # -- requests --------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False
@@ -150,10 +168,13 @@ class DSV4LM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Continuations of each context: greedy or sampled per the request's ``gen_kwargs``,
-        ending when the decoded continuation contains a stop string (``until``, plus EOS) or after
-        ``max_gen_toks`` tokens, cut before the first stop string. Requests with the same
-        ``gen_kwargs`` go to the runner together, longest context first."""
+        """Continuations of each context: greedy or sampled per the request's ``gen_kwargs``
+        (``temperature``, ``top_p``, ``top_k``; what the model's generation config sets, else
+        ``transformers``' defaults, where they are silent, as lm-eval's hf model samples), ending at
+        an EOS id of the tokenizer or the generation config, when the continuation decoded with its
+        special tokens contains a stop string (``until``, plus EOS), or after ``max_gen_toks``
+        tokens, cut before the first stop string. Requests with the same ``gen_kwargs`` go to the
+        runner together, longest context first."""
         groups: dict[str, list[int]] = {}
         for i, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(i)
@@ -173,29 +194,38 @@ class DSV4LM(TemplateLM):
         kwargs = dict(normalize_gen_kwargs(gen_kwargs, MAX_GEN_TOKS))
         until = [s for s in handle_stop_sequences(kwargs.pop("until"), self.tokenizer.eos_token) if s]
         max_gen_toks = kwargs.pop("max_gen_toks")
-        temperature, top_p = float(kwargs.pop("temperature", 0.0)), float(kwargs.pop("top_p", 1.0))
+        # where gen_kwargs are silent, what transformers' generate (lm-eval's hf model) samples with
+        defaults = self.runner.backend.model.generation_config
+        temperature = float(kwargs.pop("temperature", 0.0))
+        top_p = float(kwargs.pop("top_p", 1.0 if defaults.top_p is None else defaults.top_p))
+        top_k = int(kwargs.pop("top_k", TOP_K if defaults.top_k is None else defaults.top_k))
         if not kwargs.pop("do_sample"):
             temperature = 0.0
         if kwargs:
-            raise ValueError(f"gen_kwargs: dsv4 takes until, max_gen_toks, do_sample, temperature and top_p, "
-                             f"not {sorted(kwargs)}")
+            raise ValueError(f"gen_kwargs: dsv4 takes until, max_gen_toks, do_sample, temperature, top_p and "
+                             f"top_k, not {sorted(kwargs)}")
         if not 0 < max_gen_toks < self.max_length:
             raise ValueError(f"max_gen_toks={max_gen_toks} must lie in [1, max_length={self.max_length})")
         prompts = [self.tok_encode(c)[-(self.max_length - max_gen_toks):] or [self.prefix_token_id] for c in contexts]
         order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
 
-        def stop(_: int, tokens: list[int]) -> bool:
-            text = self.tok_decode(tokens)
+        def stop(_: int, tokens: list[int]) -> bool:  # special tokens kept: a stop string may be one
+            text = self.tokenizer.decode(tokens, skip_special_tokens=False)
             return any(s in text for s in until)
 
-        eos = () if self.eot_token_id is None else (self.eot_token_id,)
+        stop_ids = {self.eot_token_id, *_ids(defaults.eos_token_id)} - {None}
         seed = int(torch.randint(2**31 - 1, ()))  # lm-eval seeds torch: a run's draws are reproducible
         tokens = self.runner.generate([prompts[i] for i in order], max_gen_toks, temperature=temperature,
-                                      top_p=top_p, stop_ids=eos, seed=seed, stop=stop)
+                                      top_p=top_p, top_k=top_k, stop_ids=stop_ids, seed=seed, stop=stop)
         texts = [""] * len(prompts)
         for k, i in enumerate(order):
             texts[i] = postprocess_generated_text(self.tok_decode(tokens[k]), until, None)
         return texts
+
+
+def _ids(value: int | list[int] | None) -> list[int]:
+    """A generation config's ``eos_token_id`` (one id, several or none) as a list."""
+    return [] if value is None else [value] if isinstance(value, int) else list(value)
 
 
 def _continuation_score(logits: torch.Tensor, continuation: list[int]) -> tuple[float, bool]:

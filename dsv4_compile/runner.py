@@ -123,7 +123,7 @@ class ModelRunner(StepBuilder):
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
-                 temperature: float = 0.0, top_p: float = 1.0, stop_ids: Iterable[int] = (),
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, stop_ids: Iterable[int] = (),
                  seed: int | None = None, stop: Callable[[int, list[int]], bool] | None = None
                  ) -> list[list[int]]:
         """The new tokens of each prompt: up to ``max_new_tokens``, ending early after the first
@@ -134,7 +134,7 @@ class ModelRunner(StepBuilder):
         called after each token of ``prompts[i]``, ends that request when it returns True (stop
         strings: decode and search the new tokens)."""
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
-        temperature, top_p = check_sampling(temperature, top_p)
+        temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
         if seed is not None and check_count("seed", seed) >= 2**63:
             raise ValueError(f"seed={seed} must be < 2**63")
         stops = set(self._token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
@@ -155,7 +155,7 @@ class ModelRunner(StepBuilder):
         def consume(parts, logits):
             if not parts:
                 return
-            chosen = sample_tokens(logits[:len(parts)], temperature, top_p, generator).tolist()
+            chosen = sample_tokens(logits[:len(parts)], temperature, top_p, generator, top_k).tolist()
             for (req, _, _), token in zip(parts, chosen):
                 new = out[req.index]
                 new.append(token)

@@ -38,3 +38,21 @@ def test_bad_logits_are_named(logits, error, match):
 def test_greedy_sampling_is_the_argmax():
     logits = torch.randn(3, 2 * 1024 + 9)
     assert torch.equal(sample_tokens(logits, 0.0, 1.0, None), logits.argmax(-1))
+
+
+def test_top_k_sampling_draws_among_the_k_most_likely():
+    """``top_k`` keeps the k most likely tokens of each row (1: the argmax), before ``top_p``
+    narrows them further; every draw of many lies among them, and each of them is drawn."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=gen)
+    top3 = logits.topk(3, -1).indices
+    assert torch.equal(sample_tokens(logits, 1.0, 1.0, gen, top_k=1), logits.argmax(-1))
+    draws = torch.stack([sample_tokens(logits, 5.0, 1.0, gen, top_k=3) for _ in range(300)], 1)
+    for row in range(4):
+        assert set(draws[row].tolist()) == set(top3[row].tolist())
+    # top_p on the top-k tokens' renormalised mass (transformers' order): two tokens of 0.3 each
+    # beside 40 of 0.01 become 0.5 and 0.5, so top_p = 0.5 keeps one of them (of 0.3 and 0.3
+    # unrenormalised it would keep both)
+    two = torch.tensor([[0.3, 0.3] + [0.01] * 40]).log()
+    draws = {int(sample_tokens(two, 1.0, 0.5, gen, top_k=2)) for _ in range(100)}
+    assert len(draws) == 1 and draws <= {0, 1}

@@ -158,8 +158,45 @@ def test_generate_until_sampling_follows_torch_seed(dsv4_lm):
         torch.manual_seed(3)
         runs.append(dsv4_lm.generate_until(requests))
     assert runs[0] == runs[1]
-    with pytest.raises(ValueError, match="top_k"):
-        dsv4_lm.generate_until([request("generate_until", "a", {"top_k": 5, "max_gen_toks": 4})])
+    with pytest.raises(ValueError, match="not \\['repetition_penalty'\\]"):
+        dsv4_lm.generate_until([request("generate_until", "a", {"repetition_penalty": 1.1, "max_gen_toks": 4})])
+
+
+def test_generate_until_stops_and_samples_as_hf_generate(dsv4_lm, monkeypatch):
+    """What the hf model's ``generate`` applies where gen_kwargs are silent reaches the runner: the
+    generation config's EOS ids beside the tokenizer's, its top_k (else transformers' 50) and top_p;
+    a stop string that is a special token's text (a chat turn's end) ends the continuation, as the
+    hf model's stop criteria decode with special tokens kept, and is cut from the text."""
+    tok, config = dsv4_lm.tokenizer, dsv4_lm.runner.backend.model.generation_config
+    word, special = tok.encode(" cat")[0], tok.bos_token_id
+    calls = []
+    monkeypatch.setattr(dsv4_lm.runner, "generate", lambda prompts, n, **kw: calls.append(kw) or [[word, special]])
+    monkeypatch.setattr(config, "eos_token_id", [tok.eos_token_id, 7])
+    monkeypatch.setattr(config, "top_k", None)
+    kwargs = {"until": [tok.bos_token], "max_gen_toks": 4, "do_sample": True, "temperature": 0.8}
+    assert dsv4_lm.generate_until([request("generate_until", "a", kwargs)]) == [tok.decode([word])]
+    assert calls[-1]["stop"](0, [word, special]) and not calls[-1]["stop"](0, [word])
+    assert calls[-1]["stop_ids"] == {tok.eos_token_id, 7}
+    assert (calls[-1]["temperature"], calls[-1]["top_k"], calls[-1]["top_p"]) == (0.8, 50, 1.0)
+    monkeypatch.setattr(config, "top_k", 20)
+    dsv4_lm.generate_until([request("generate_until", "a", kwargs)])
+    dsv4_lm.generate_until([request("generate_until", "a", {**kwargs, "top_k": 5, "top_p": 0.9})])
+    assert [(c["top_k"], c["top_p"]) for c in calls[-2:]] == [(20, 1.0), (5, 0.9)]
+
+
+def test_chat_template_and_batch_size_auto(eval_dir, dsv4_lm, monkeypatch):
+    """``--apply_chat_template`` renders through the tokenizer's template, and names the tokenizer
+    for lm-eval's cache; ``batch_size=auto`` is the default batch size (the cache's rows are sized
+    up front, nothing to search)."""
+    monkeypatch.setattr(dsv4_lm.tokenizer, "chat_template",
+                        "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = [{"role": "user", "content": "the cat"}]
+    assert dsv4_lm.apply_chat_template(chat) == "<user>the cat<assistant>"
+    assert dsv4_lm.tokenizer_name == str(eval_dir).replace("/", "__")
+    auto = get_model("dsv4").create_from_arg_string(f"pretrained={eval_dir},max_seq_len=256",
+                                                     {"batch_size": "auto", "device": "cpu"})
+    assert auto.batch_size == dsv4_compile.lm_eval_model.DEFAULT_BATCH_SIZE
 
 
 def test_command_line(eval_dir, task_dir):
