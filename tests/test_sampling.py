@@ -1,6 +1,8 @@
 """``greedy_tokens`` (``dsv4::greedy_tokens``, whose kernels ``tests/interpret`` checks) equals
 ``argmax(-1)`` on rows with ties, infinities and NaNs; its argument checks; ``sample_tokens`` at
-temperature 0 is greedy."""
+temperature 0 is greedy, otherwise draws at the given temperature, within top-k and top-p."""
+
+import math
 
 import pytest
 import torch
@@ -56,3 +58,14 @@ def test_top_k_sampling_draws_among_the_k_most_likely():
     two = torch.tensor([[0.3, 0.3] + [0.01] * 40]).log()
     draws = {int(sample_tokens(two, 1.0, 0.5, gen, top_k=2)) for _ in range(100)}
     assert len(draws) == 1 and draws <= {0, 1}
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_temperature_scales_the_logits(temperature):
+    """Draws follow softmax(logits / temperature): token 1 of logits (0, ln 3) has probability
+    3^(1/t) / (1 + 3^(1/t)); the frequency over n draws lies within 5 standard deviations of it."""
+    n = 4000
+    logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(n, 1)
+    freq = sample_tokens(logits, temperature, 1.0, torch.Generator().manual_seed(0)).float().mean().item()
+    p = 3 ** (1 / temperature) / (1 + 3 ** (1 / temperature))
+    assert abs(freq - p) <= 5 * math.sqrt(p * (1 - p) / n)

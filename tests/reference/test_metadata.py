@@ -129,6 +129,15 @@ def test_short_sequences():
     assert c128["c128_out_loc"].tolist() == [-1, -1, -1, (5 * 256 + 127) // 128]
 
 
+def test_page_table_ends_at_the_last_live_page():
+    """Page i is live while 256 i < seq_lens_causal: a row of exactly 256 positions sees page 0 alone,
+    its 257th position brings page 1; later entries are 0."""
+    req_to_page = torch.tensor([[0, 0, 0, 0], [17, 42, 9, 5]], dtype=I32)
+    seq = torch.tensor([1, 255, 256, 257, 512, 513], dtype=I32)
+    got = metadata.build_page_table(req_to_page, torch.ones(6, dtype=I32), seq)
+    assert got.tolist() == [[17, 0, 0, 0]] * 3 + [[17, 42, 0, 0]] * 2 + [[17, 42, 9, 0]]
+
+
 def test_fused_reference_follows_the_field_table():
     """``step_metadata`` returns every declared field, in table order, with its declared dtype and
     shape (T = 5 rows, NP = 4 pages: c128 width 64)."""

@@ -64,6 +64,14 @@ def test_model1_token_lands_at_documented_offsets(page_size):
     assert cache[:2].count_nonzero() == 0
 
 
+def test_index_key_zero_row_uses_eps_floor():
+    """An all-zero indexer key gets the scale floor 1e-4 / 448 (no 0 / 0) and reads back as zeros."""
+    vals, scale = quant.quantize_index_k(torch.zeros(2, 128))
+    assert torch.equal(scale, torch.full((2,), 1e-4) / 448)
+    assert torch.all(vals == 0)
+    assert torch.equal(quant.dequantize_index_k(vals, scale), torch.zeros(2, 128))
+
+
 def test_index_key_round_trip_and_layout():
     k = torch.randn(5, 128) * 3
     vals, scale = quant.quantize_index_k(k)
