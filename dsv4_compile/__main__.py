@@ -80,7 +80,8 @@ def make_plan(args: argparse.Namespace) -> Plan:
     if args.max_seq_len is not None and args.max_seq_len % PAGE_SIZE:
         raise InputError(f"--max-seq-len {args.max_seq_len}: must be a multiple of {PAGE_SIZE}")
     config = builtin_config() if args.model is None else checkpoint_config(args.model)
-    check_tp_size(config, ranks)
+    if ranks > 1:  # (one process: checkpoint_config has checked the config as it is)
+        check_tp_size(config, ranks)
     if args.max_seq_len is not None and args.max_seq_len > config.max_position_embeddings:
         raise InputError(f"--max-seq-len {args.max_seq_len}: the model's max_position_embeddings is "
                          f"{config.max_position_embeddings}")

@@ -56,9 +56,9 @@ def install(backend: "ModelBackend") -> None:
         if generation_config.num_beams > 1:
             raise ValueError("beam search is not supported on the dsv4_compile backend: its cache's request rows "
                              "cannot be reordered (use num_beams=1, or backend.close() first)")
-        if (model_kwargs.get("past_key_values") is not None or generation_config.use_cache is False
+        passed = model_kwargs.get("past_key_values")
+        if (passed is not None or generation_config.use_cache is False
                 or generation_config.cache_implementation is not None):
-            passed = model_kwargs.get("past_key_values")
             if generation_mode == GenerationMode.ASSISTED_GENERATION and not isinstance(passed, DSV4PagedCache):
                 # transformers' own cache runs the original forward, whose compressor state cannot roll back
                 raise ValueError(f"assisted generation is not supported with stateful models, such as "
