@@ -50,6 +50,8 @@ def evaluate(plan: Plan) -> dict:
         # frames compiled after warm-up, by the loop and by the eager comparison's steps
         frames = counters["frames"]["total"] - results.pop("frames_after_warmup")
         results["recompiles_after_warmup"] = frames if runner.step_fn is not runner.backend else None
+        if mesh is not None:  # no rank closes its connections while a peer may still be reading from them
+            torch.distributed.barrier()
     finally:
         runner.backend.close()
         if mesh is not None:

@@ -43,6 +43,7 @@ def run_rank(rank: int, checkpoint: str, out_dir: str, device_type: str = "cpu")
         with torch.no_grad():
             results = measure(checkpoint, init_device_mesh(device_type, (WORLD,)))
         torch.save(_to_cpu(results), f"{out_dir}/rank{rank}.pt")
+        dist.barrier()  # as the CLI: no rank closes its connections while a peer may still be reading
     finally:
         dist.destroy_process_group()
 
