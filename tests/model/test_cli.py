@@ -190,7 +190,7 @@ def test_torchrun_runs_the_checkpoint_tensor_parallel(tmp_path, tiny_hf_dir):
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "dsv4_compile", *args, str(tmp_path / "tp.json")],
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-1000:] + done.stderr[-3000:]
     assert done.stdout.count("tokens/s") == 1  # one summary
     one, tp = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("one", "tp"))
     assert tp["step"] == "eager (not compiled); tensor-parallel over 2 ranks" and tp["eager"] is None
