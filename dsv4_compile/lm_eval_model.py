@@ -16,6 +16,9 @@ batching), so a compiled step compiles nothing after its warm-up.
 from __future__ import annotations
 
 import json
+import logging
+
+import jinja2
 
 # lm-eval fills its model registry with its own models only while it is empty: make that happen
 # before dsv4 is registered, or hf and the others would not be found in this process.
@@ -37,6 +40,7 @@ TokenRequest = tuple[tuple[str, str] | None, list[int], list[int]]
 MAX_GEN_TOKS = 256  # max_gen_toks when a task does not set it (lm-eval's hf model: the same)
 DEFAULT_BATCH_SIZE = 8  # also what batch_size=auto (lm-eval's search for the largest that fits) gives
 TOP_K = 50  # transformers' top_k when neither gen_kwargs nor the model's generation config sets one
+log = logging.getLogger(__name__)
 
 
 @register_model("dsv4")
@@ -51,12 +55,18 @@ class DSV4LM(TemplateLM):
     ``compile`` (run the step compiled as ``python -m dsv4_compile`` compiles it,
     :func:`~dsv4_compile.evaluate.run.compiled_step`, warmed up once),
     ``max_step_tokens`` (the runner's rows per step), ``max_length`` (the context lm-eval works
-    with — rolling windows, truncation — at most, and by default, ``max_seq_len``)."""
+    with — rolling windows, truncation — at most, and by default, ``max_seq_len``),
+    ``add_bos_token`` and ``prefix_token_id`` (as lm-eval's hf model: whether encoding adds the
+    tokenizer's special tokens, and what a request without context conditions on)."""
 
     def __init__(self, pretrained: str, max_seq_len: int = 4096, batch_size: int | str = DEFAULT_BATCH_SIZE,
                  device: str | None = None, compile: bool | str = False, max_step_tokens: int = 256,
-                 max_length: int | None = None):
+                 max_length: int | None = None, add_bos_token: bool | str | None = None,
+                 prefix_token_id: int | str | None = None):
         super().__init__()
+        self.add_bos_token = None if add_bos_token is None else _flag("add_bos_token", add_bos_token)
+        self.custom_prefix_token_id = None if prefix_token_id is None else _token_id("prefix_token_id",
+                                                                                      prefix_token_id)
         try:
             self._device = check_device(device, what="device")
         except InputError as e:
@@ -67,7 +77,8 @@ class DSV4LM(TemplateLM):
         self.max_length = max_seq_len if max_length is None else _count("max_length", max_length)
         if self.max_length > max_seq_len:
             raise ValueError(f"max_length={self.max_length} exceeds max_seq_len={max_seq_len}")
-        self.tokenizer = AutoTokenizer.from_pretrained(pretrained)
+        bos = {} if self.add_bos_token is None else {"add_bos_token": self.add_bos_token}
+        self.tokenizer = AutoTokenizer.from_pretrained(pretrained, **bos)  # as the hf model loads it
         model = AutoModelForCausalLM.from_pretrained(pretrained, dtype=torch.bfloat16).to(self._device)
         backend = enable(model, max_requests=self.batch_size, max_seq_len=max_seq_len)
         compiled = _flag("compile", compile)
@@ -97,15 +108,20 @@ class DSV4LM(TemplateLM):
 
     @property
     def prefix_token_id(self) -> int:
-        """What a request without context conditions on: BOS, else EOS (as lm-eval's hf model)."""
+        """What a request without context conditions on: ``prefix_token_id``, else BOS, else EOS (as
+        lm-eval's hf model)."""
+        if self.custom_prefix_token_id is not None:
+            return self.custom_prefix_token_id
         bos = self.tokenizer.bos_token_id
         return self.eot_token_id if bos is None else bos
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs) -> list[int]:
-        """Token ids of ``string``; the tokenizer's special tokens unless ``string`` already starts
-        with the prefix token's text (as lm-eval's hf model)."""
+        """Token ids of ``string``; the tokenizer's special tokens (``add_bos_token`` when given)
+        unless ``string`` already starts with the prefix token's text (as lm-eval's hf model)."""
         if add_special_tokens is None and string.startswith(self.tokenizer.decode(self.prefix_token_id)):
             add_special_tokens = False
+        elif add_special_tokens is None:
+            add_special_tokens = self.add_bos_token
         options = {} if add_special_tokens is None else {"add_special_tokens": add_special_tokens}
         return self.tokenizer.encode(string, **options)
 
@@ -119,10 +135,17 @@ class DSV4LM(TemplateLM):
 
     def apply_chat_template(self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
         """The tokenizer's chat template applied to ``chat_history``, as text (lm-eval's
-        ``--apply_chat_template``)."""
-        return self.tokenizer.apply_chat_template(chat_history, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt,
-                                                  continue_final_message=not add_generation_prompt)
+        ``--apply_chat_template``). A template that refuses the history (one without a system role,
+        say) gets it again without system messages, as lm-eval's hf model retries."""
+        def render(history):
+            return self.tokenizer.apply_chat_template(history, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt,
+                                                      continue_final_message=not add_generation_prompt)
+        try:
+            return render(chat_history)
+        except jinja2.exceptions.TemplateError:
+            log.warning("the chat template refused the history; rendering it without its system messages")
+            return render([m for m in chat_history if m["role"] != "system"])
 
     # -- requests --------------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests: list[TokenRequest], disable_tqdm: bool = False
@@ -246,6 +269,17 @@ def _count(name: str, value: int | str) -> int:
     if count < 1 or isinstance(value, bool) or (isinstance(value, float) and value != count):
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return count
+
+
+def _token_id(name: str, value: int | str) -> int:
+    """A token id model argument: a non-negative integer (lm-eval may pass it as a string)."""
+    try:
+        token = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a token id, got {value!r}") from None
+    if token < 0 or isinstance(value, bool) or (isinstance(value, float) and value != token):
+        raise ValueError(f"{name} must be a token id, got {value!r}")
+    return token
 
 
 def _flag(name: str, value: bool | str) -> bool:

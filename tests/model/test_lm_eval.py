@@ -199,6 +199,36 @@ def test_chat_template_and_batch_size_auto(eval_dir, dsv4_lm, monkeypatch):
     assert auto.batch_size == dsv4_compile.lm_eval_model.DEFAULT_BATCH_SIZE
 
 
+def test_chat_template_without_system_role_drops_system_messages(dsv4_lm, monkeypatch):
+    """A template that refuses the system role (lm-eval's ``--system_instruction`` adds one) renders
+    the history without its system messages, as lm-eval's hf model retries, rather than raising."""
+    monkeypatch.setattr(dsv4_lm.tokenizer, "chat_template",
+                        "{% for m in messages %}{% if m.role == 'system' %}"
+                        "{{ raise_exception('System role not supported') }}{% endif %}"
+                        "<{{ m.role }}>{{ m.content }}{% endfor %}"
+                        "{% if add_generation_prompt %}<assistant>{% endif %}")
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat"}]
+    assert dsv4_lm.apply_chat_template(chat) == "<user>the cat<assistant>"
+
+
+def test_add_bos_token_and_prefix_token_id_match_hf(eval_dir, dsv4_lm):
+    """``add_bos_token`` and ``prefix_token_id`` as lm-eval's hf model takes them: this tokenizer adds
+    no BOS of its own, so with ``add_bos_token=true`` every encoding starts with BOS; an empty
+    context conditions on ``prefix_token_id``; the log-likelihoods follow hf's."""
+    args = f"pretrained={eval_dir},max_length={MAX_LENGTH},add_bos_token=true,prefix_token_id=1"
+    lm = get_model("dsv4").create_from_arg_string(f"{args},max_seq_len=256,batch_size=2", {"device": "cpu"})
+    hf = get_model("hf").create_from_arg_string(f"{args},dtype=bfloat16", {"batch_size": 2, "device": "cpu"})
+    bos = lm.tokenizer.bos_token_id
+    assert lm.tok_encode("the cat") == [bos, *dsv4_lm.tok_encode("the cat")] == hf.tok_encode("the cat")
+    # a string that starts with the prefix token's text (EOS here) gets no special tokens added
+    assert lm.tok_encode("</s>the cat") == hf.tok_encode("</s>the cat") == dsv4_lm.tok_encode("</s>the cat")
+    assert lm.prefix_token_id == hf.prefix_token_id == 1
+    requests = [request("loglikelihood", "the cat sat", " on the mat"), request("loglikelihood", "", "a bird")]
+    ours, theirs = lm.loglikelihood(requests), hf.loglikelihood(requests)
+    for (ll, _), (hf_ll, _), n in zip(ours, theirs, (len(lm._encode_pair("the cat sat", " on the mat")[1]), 2)):
+        assert abs(ll - hf_ll) <= allowed(n, hf_ll, PER_TOKEN_MAX), (ll, hf_ll)
+
+
 def test_command_line(eval_dir, task_dir):
     """``python -m dsv4_compile.lm_eval_model`` is lm-eval's command line with ``dsv4`` registered;
     ``--batch_size`` (lm-eval's, default 1) and ``batch_size`` in ``--model_args`` do not clash."""
@@ -214,7 +244,9 @@ def test_command_line(eval_dir, task_dir):
 @pytest.mark.parametrize("arg, named", [("batch_size=2.7", "batch_size must be a positive integer, got 2.7"),
                                         ("max_seq_len=0", "max_seq_len must be a positive integer"),
                                         ("device=meta", "device 'meta': only cpu and cuda are supported"),
-                                        ("device=cuda:99", "device 'cuda:99'")])
+                                        ("device=cuda:99", "device 'cuda:99'"),
+                                        ("add_bos_token=maybe", "add_bos_token must be true or false"),
+                                        ("prefix_token_id=-1", "prefix_token_id must be a token id")])
 def test_bad_model_args_are_refused_by_name_before_loading(eval_dir, monkeypatch, arg, named):
     """A model argument that cannot be used raises naming it, before the checkpoint is read."""
     monkeypatch.setattr("dsv4_compile.lm_eval_model.AutoTokenizer.from_pretrained",
