@@ -164,9 +164,10 @@ class DSV4LM(TemplateLM):
         with tqdm(total=len(requests), disable=disable_tqdm, desc="dsv4 loglikelihood") as bar:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
-                for i, logits in zip(batch, self.runner.logits([inputs[i] for i in batch])):
+                scored = [len(requests[i][2]) for i in batch]  # the steps compute the continuation's logits only
+                for i, logits in zip(batch, self.runner.logits([inputs[i] for i in batch], last=scored)):
                     key, _, continuation = requests[i]
-                    results[i] = _continuation_score(logits[-len(continuation):], continuation)
+                    results[i] = _continuation_score(logits, continuation)
                     if key is not None:
                         self.cache_hook.add_partial("loglikelihood", key, results[i])
                 bar.update(len(batch))

@@ -46,6 +46,7 @@ class _Request:
     index: int  # position in the caller's list
     tokens: list[int]  # the tokens the cache takes (grows while generating)
     length: int  # final length in the cache: admission reserves its pages
+    scored_from: int = 0  # with every_row: the first position whose logits consume gets
     row: int = 0  # request row once admitted
     fed: int = 0  # tokens already in the cache
 
@@ -108,18 +109,23 @@ class ModelRunner(StepBuilder):
         return [torch.cat(p) if p else torch.zeros(0, device=self.device) for p in out]
 
     @torch.no_grad()
-    def logits(self, sequences: Sequence[Sequence[int] | torch.Tensor]) -> list[torch.Tensor]:
+    def logits(self, sequences: Sequence[Sequence[int] | torch.Tensor], last: Sequence[int] | None = None
+               ) -> list[torch.Tensor]:
         """Logits of every position of each sequence (``[L, vocab]``, the model's dtype): row ``t``
-        predicts token ``t + 1``. The cache takes every token."""
+        predicts token ``t + 1``; with ``last``, of the last ``last[i]`` positions of ``sequences[i]``
+        only (``[last[i], vocab]``, ``0 <= last[i] <= L``: the steps compute no other rows' logits).
+        The cache takes every token."""
         seqs = self._token_lists("sequences", sequences)
+        keep = [len(s) for s in seqs] if last is None else self._counts("last", last, [len(s) for s in seqs])
         out: list[list[torch.Tensor]] = [[] for _ in seqs]
 
         def consume(parts, logits):
             for req, _, rows in parts:
                 out[req.index].append(logits[rows].clone())
 
-        self._serve("sequences", [_Request(i, s, len(s)) for i, s in enumerate(seqs)], consume, every_row=True)
-        return [torch.cat(p) for p in out]
+        requests = [_Request(i, s, len(s), scored_from=len(s) - k) for i, (s, k) in enumerate(zip(seqs, keep))]
+        self._serve("sequences", requests, consume, every_row=True)
+        return [torch.cat(p) if p else self.backend.new_logits(0, self.backend.vocab_size) for p in out]
 
     @torch.no_grad()
     def generate(self, prompts: Sequence[Sequence[int] | torch.Tensor], max_new_tokens: int, *,
@@ -329,8 +335,9 @@ class ModelRunner(StepBuilder):
         ids, rows, parts = [], [], []
         for req, n in plan:
             if every_row:
-                parts.append((req, req.fed, slice(len(ids), len(ids) + n)))
-                rows += range(len(ids), len(ids) + n)
+                if (first := max(req.fed, req.scored_from)) < req.fed + n:
+                    parts.append((req, first, slice(len(rows), len(rows) + req.fed + n - first)))
+                    rows += range(len(ids) + first - req.fed, len(ids) + n)
             elif n == req.left:
                 parts.append((req, req.fed, slice(len(rows), len(rows) + 1)))
                 rows.append(len(ids) + n - 1)
@@ -353,6 +360,17 @@ class ModelRunner(StepBuilder):
         """``step_fn``'s arguments: ``ids`` and ``logit_rows`` as int64 tensors, one copy for both."""
         ids_t, rows_t = to_device(self.device, int64=[ids, logit_rows])
         return ids_t, step, rows_t
+
+    @staticmethod
+    def _counts(name: str, counts: Sequence[int], bounds: list[int]) -> list[int]:
+        """``counts``, one per sequence, each in ``[0, bounds[i]]``; ``ValueError`` naming the first
+        that is not."""
+        if isinstance(counts, torch.Tensor) or not isinstance(counts, Sequence) or len(counts) != len(bounds):
+            raise ValueError(f"{name} must be a sequence of {len(bounds)} counts, one per sequence")
+        for i, (count, bound) in enumerate(zip(counts, bounds)):
+            if check_count(f"{name}[{i}]", count) > bound:
+                raise ValueError(f"{name}[{i}]={count} exceeds the sequence's {bound} tokens")
+        return [int(c) for c in counts]
 
     def _token_lists(self, name: str, sequences, *, allow_empty: bool = False) -> list[list[int]]:
         """``sequences`` (token sequences or 1-D integer tensors) as lists of ints in ``[0, vocab)``;

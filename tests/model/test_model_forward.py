@@ -71,6 +71,32 @@ def test_padded_batch_scores_each_row_over_its_real_tokens(backend, tiny_hf):
             assert (unpadded - hf_left[b, 12 - n:]).abs().mean() > 0.1
 
 
+@pytest.mark.parametrize("keep", [1, 5, 12, 20, -4, 0])
+def test_logits_to_keep_computes_the_kept_columns_only(backend, keep, monkeypatch):
+    """``logits_to_keep`` as ``transformers`` slices it (an int keeps ``[-keep:]``; 0 all): the kept
+    columns equal those of the whole forward (measured: identical), and the runner is asked for the
+    kept real positions only."""
+    rows = [ids_of(12, 1), ids_of(7, 2), ids_of(3, 3)]
+    ids, mask = padded(rows, 12, left=False)
+    whole = backend.model(ids, attention_mask=mask).logits
+    asked = []
+    logits = backend.runner.logits
+    monkeypatch.setattr(backend.runner, "logits", lambda seqs, last: asked.append(sum(last)) or logits(seqs, last))
+    columns = slice(-keep, None)
+    torch.testing.assert_close(backend.model(ids, attention_mask=mask, logits_to_keep=keep).logits,
+                               whole[:, columns], atol=0, rtol=0)
+    assert asked == [int(mask[:, columns].sum())]
+
+
+def test_logits_to_keep_as_a_tensor_selects_columns(backend):
+    rows = [ids_of(12, 1), ids_of(7, 2)]
+    ids, mask = padded(rows, 12, left=True)
+    whole = backend.model(ids, attention_mask=mask).logits
+    picked = torch.tensor([0, 6, 11])
+    torch.testing.assert_close(backend.model(ids, attention_mask=mask, logits_to_keep=picked).logits,
+                               whole[:, picked], atol=0, rtol=0)
+
+
 def test_a_cache_or_close_gives_the_original_forward(tiny_hf_dir, tiny_hf):
     """A ``transformers`` cache passed to ``generate()`` (here a DynamicCache) runs the original
     forward (the same tokens as the model without the backend); after ``close()`` the forward is
@@ -110,16 +136,18 @@ def test_position_ids_numbering_the_real_tokens_from_0_stay_on_the_backend(backe
 
 def test_generate_without_a_cache_rescores_on_the_backend(backend, monkeypatch):
     """``generate(use_cache=False)`` calls the forward with the whole sequence each step and
-    ``position_ids`` derived from the mask: every step is scored by the backend's runner, and the
-    tokens equal those of ``generate()`` over the paged cache, left padding included."""
+    ``position_ids`` derived from the mask: every step is scored by the backend's runner, which
+    computes the last position's logits only (generate's ``logits_to_keep=1``), and the tokens
+    equal those of ``generate()`` over the paged cache, left padding included."""
     ids, mask = padded([ids_of(9, 8), ids_of(6, 9)], 9, left=True)
     cached = backend.model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
     scored = []
     logits = backend.runner.logits
-    monkeypatch.setattr(backend.runner, "logits", lambda seqs: scored.append(len(seqs)) or logits(seqs))
+    monkeypatch.setattr(backend.runner, "logits",
+                        lambda seqs, last: scored.append((len(seqs), sum(last))) or logits(seqs, last))
     uncached = backend.model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, use_cache=False)
     torch.testing.assert_close(uncached, cached, atol=0, rtol=0)
-    assert scored == [2, 2, 2, 2]
+    assert scored == [(2, 2)] * 4
     assert not backend.allocator.active_rows
 
 

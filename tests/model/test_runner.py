@@ -151,6 +151,37 @@ def test_generate_builds_the_next_step_before_it_draws_tokens_and_undoes_it_on_a
     assert_same_state(before, allocator_state(backend))
 
 
+def test_logits_of_the_last_positions_only(backend, monkeypatch):
+    """``logits(sequences, last)``: the last ``last[i]`` rows of each sequence's logits (measured:
+    identical to slicing all of them), the steps asking for those rows only; ``last[i] == 0`` gives
+    ``[0, vocab]``; a ``last`` that does not fit the sequences is refused by name before any step."""
+    seqs, last = [ids_of(40, 1), ids_of(7, 2), ids_of(23, 4)], [3, 0, 23]
+    runner = ModelRunner(backend, max_step_tokens=16, bucketed=False)
+    every = runner.logits(seqs)
+    asked = []
+
+    def step_fn(ids, step, logit_rows):
+        asked.append(logit_rows.shape[0])
+        return backend(ids, step, logit_rows)
+
+    runner.step_fn = step_fn
+    before = allocator_state(backend)
+    got = runner.logits(seqs, last=last)
+    assert_same_state(before, allocator_state(backend))
+    assert [t.shape for t in got] == [(3, VOCAB), (0, VOCAB), (23, VOCAB)]
+    for all_rows, kept, n in zip(every, got, last):
+        torch.testing.assert_close(kept, all_rows[all_rows.shape[0] - n:], atol=0, rtol=0)
+    assert sum(asked) <= sum(last) + 2 * len(asked)  # (a step's logit rows are padded to 2)
+    asked.clear()
+    for bad, match in (([1, 2], r"last must be a sequence of 3 counts"), ([1, -1, 1], r"last\[1\]=-1 must be >= 0"),
+                       ([1, 8, 1], r"last\[1\]=8 exceeds the sequence's 7 tokens"),
+                       ([1, 1.0, 1], r"last\[1\] must be an int"), (torch.tensor([1, 1, 1]), r"last must be a")):
+        with pytest.raises((TypeError, ValueError), match=match):
+            runner.logits(seqs, last=bad)
+    assert not asked
+    assert_same_state(before, allocator_state(backend))
+
+
 def test_requests_that_cannot_fit_are_refused_before_anything_is_written(tiny_hf_dir):
     """One usable full page: a 300-position request can never fit (ValueError naming it, state
     unchanged); two 130-position requests cannot run together, so the second waits for the
