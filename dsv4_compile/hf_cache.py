@@ -103,19 +103,25 @@ class DSV4PagedCache(Cache):
         """Feed ``input_ids [B, S]`` (the new columns; ``attention_mask [B, past + S]`` or ``None``,
         1 on real tokens) and return the logits of the last ``K`` columns, ``[B, K, vocab]`` in the
         model's dtype (``K = S`` when ``logits_to_keep`` is 0; zeros on pads)."""
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+            shape = tuple(getattr(input_ids, "shape", ()))
+            raise ValueError(f"input_ids must be a [batch, columns] tensor, got shape {shape}")
         batch, width = input_ids.shape
         real = torch.ones(batch, width, dtype=torch.bool) if attention_mask is None else \
             attention_mask[:, -width:].ne(0).cpu()
         if attention_mask is not None and attention_mask.shape != (batch, self.get_seq_length() + width):
             raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}; the cache holds "
                              f"{self.get_seq_length()} columns and input_ids brings {width}")
+        if self.rows and batch != len(self.rows):
+            raise ValueError(f"input_ids has {batch} rows, the cache holds {len(self.rows)}")
+        # checked before a row is admitted or extended: feed's steps commit to the allocator chunk by chunk
+        ids = input_ids.cpu()
+        new = self.backend.runner.token_lists("input_ids", [ids[b][real[b]] for b in range(batch)], allow_empty=True)
+        self._check_room(new)
         if not self.rows:
             self._admit(batch)
-        elif batch != len(self.rows):
-            raise ValueError(f"input_ids has {batch} rows, the cache holds {len(self.rows)}")
         keep = width if logits_to_keep == 0 else min(logits_to_keep, width)
-        ids = input_ids.cpu()
-        tokens = {row: ids[b][real[b]].tolist() for b, row in enumerate(self.rows)}
+        tokens = dict(zip(self.rows, new))
         kept = {row: int(real[b, width - keep:].sum()) for b, row in enumerate(self.rows)}
         rows_logits = feed(self.backend.runner, tokens, kept)
         self._real = torch.cat([self._real, real], 1)
@@ -123,6 +129,18 @@ class DSV4PagedCache(Cache):
         for b, row in enumerate(self.rows):
             logits[b, real[b, width - keep:].to(logits.device)] = rows_logits[row]
         return logits
+
+    def _check_room(self, new: list[list[int]]) -> None:
+        """``ValueError`` if a row cannot take its ``new`` tokens within the backend's ``max_seq_len``
+        (a first ``generate`` step: :meth:`_admit` checks ``max_length`` instead)."""
+        if not self.rows and self.max_length is not None:
+            return
+        limit = self.backend.cache.max_seq_len
+        lengths = [self.backend.allocator.seq_len(row) for row in self.rows] or [0] * len(new)
+        for b, (length, tokens) in enumerate(zip(lengths, new)):
+            if length + len(tokens) > limit:
+                raise ValueError(f"input_ids row {b} brings {len(tokens)} tokens to the {length} in the cache, "
+                                 f"more than the backend's max_seq_len={limit}")
 
     def _admit(self, batch: int) -> None:
         """One request row per batch row; ``ValueError`` before admitting any if they cannot hold
@@ -162,7 +180,6 @@ def feed(runner: "ModelRunner", tokens: dict[int, list[int]], keep: dict[int, in
                 plan[row], budget = n, budget - n
         if not plan:
             break
-        step = runner.build_step(ForwardMode.EXTEND, plan)
         ids, logit_rows, parts = [], [], []
         for row, n in plan.items():
             first, end = max(fed[row], len(tokens[row]) - keep[row]), fed[row] + n
@@ -170,8 +187,10 @@ def feed(runner: "ModelRunner", tokens: dict[int, list[int]], keep: dict[int, in
                 parts.append((row, len(logit_rows), end - first))
                 logit_rows += range(len(ids) + first - fed[row], len(ids) + n)
             ids += tokens[row][fed[row]:end]
-            fed[row] = end
-        logits = runner.run_step(step, ids, logit_rows)
+        with runner.allocator.transaction():  # a step the model refuses extends no row
+            logits = runner.run_step(runner.build_step(ForwardMode.EXTEND, plan), ids, logit_rows)
+        for row, n in plan.items():
+            fed[row] += n
         for row, start, n in parts:
             # a compiled step's output may be the graph's own buffer, which its next call overwrites
             out[row].append(logits[start:start + n].clone())

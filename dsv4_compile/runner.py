@@ -94,7 +94,7 @@ class ModelRunner(StepBuilder):
         """Teacher-forced log-probs: for each sequence of ``L >= 1`` tokens, fp32 ``[L - 1]`` whose
         entry ``t`` is ``log p(token t+1 | tokens <= t)``, on the cache's device. The cache takes each
         sequence's first ``L - 1`` tokens."""
-        seqs = self._token_lists("sequences", sequences)
+        seqs = self.token_lists("sequences", sequences)
         targets = [torch.tensor(s, dtype=torch.int64, device=self.device) for s in seqs]
         out: list[list[torch.Tensor]] = [[] for _ in seqs]
 
@@ -115,7 +115,7 @@ class ModelRunner(StepBuilder):
         predicts token ``t + 1``; with ``last``, of the last ``last[i]`` positions of ``sequences[i]``
         only (``[last[i], vocab]``, ``0 <= last[i] <= L``: the steps compute no other rows' logits).
         The cache takes every token."""
-        seqs = self._token_lists("sequences", sequences)
+        seqs = self.token_lists("sequences", sequences)
         keep = [len(s) for s in seqs] if last is None else self._counts("last", last, [len(s) for s in seqs])
         out: list[list[torch.Tensor]] = [[] for _ in seqs]
 
@@ -141,10 +141,12 @@ class ModelRunner(StepBuilder):
         strings: decode and search the new tokens)."""
         max_new_tokens = check_count("max_new_tokens", max_new_tokens)
         temperature, top_p, top_k = check_sampling(temperature, top_p, top_k)
+        if stop is not None and not callable(stop):
+            raise TypeError(f"stop must be a callable (i, new_tokens) -> bool or None, got {type(stop).__name__}")
         if seed is not None and check_count("seed", seed) >= 2**63:
             raise ValueError(f"seed={seed} must be < 2**63")
-        stops = set(self._token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
-        prompts = self._token_lists("prompts", prompts)
+        stops = set(self.token_lists("stop_ids", [stop_ids], allow_empty=True)[0])
+        prompts = self.token_lists("prompts", prompts)
         out: list[list[int]] = [[] for _ in prompts]
         if max_new_tokens == 0:
             return out
@@ -180,10 +182,10 @@ class ModelRunner(StepBuilder):
         counts that differ — so that a compiled ``step_fn`` has traced its frame (counts are
         dynamic, 1 included: docs/compile.md, "Frames and the recompile limit") before real
         requests arrive. The steps run on throw-away requests, released afterwards (their rows
-        start clean when admitted again); a class needing more request rows than are free is
-        skipped (a one-request cache runs the first two)."""
+        start clean when admitted again); a class needing more request rows, or full or SWA pages
+        (one of each a request), than are free is skipped (a one-request cache runs the first two)."""
         for counts, num_logits in (([1], 2), ([3], 2), ([3, 3], 3)):
-            if len(counts) > self.free_capacity()[0]:
+            if any(len(counts) > free for free in self.free_capacity()):
                 continue
             rows = []
             try:
@@ -372,7 +374,7 @@ class ModelRunner(StepBuilder):
                 raise ValueError(f"{name}[{i}]={count} exceeds the sequence's {bound} tokens")
         return [int(c) for c in counts]
 
-    def _token_lists(self, name: str, sequences, *, allow_empty: bool = False) -> list[list[int]]:
+    def token_lists(self, name: str, sequences, *, allow_empty: bool = False) -> list[list[int]]:
         """``sequences`` (token sequences or 1-D integer tensors) as lists of ints in ``[0, vocab)``;
         ``TypeError`` / ``ValueError`` naming the first bad one."""
         if isinstance(sequences, (str, bytes)) or not isinstance(sequences, Iterable):

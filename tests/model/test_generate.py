@@ -260,3 +260,38 @@ def test_close_gives_transformers_generate_back(tiny_hf_dir, tiny_hf):
     assert torch.equal(model.generate(prompt, max_new_tokens=3, do_sample=False), want)
     with pytest.raises(ValueError, match="assisted generation is not supported with stateful models"):
         model.generate(prompt, max_new_tokens=3, do_sample=False, assistant_model=model)
+
+
+@pytest.mark.parametrize("bad", [torch.tensor([[VOCAB]]), torch.tensor([[-1]]), torch.tensor([[3.0]])])
+def test_a_refused_step_over_the_cache_extends_no_row(backend, bad):
+    """A step over a ``DSV4PagedCache`` with bad ``input_ids`` (an id outside the vocabulary, a
+    float tensor) is refused naming ``input_ids`` and changes nothing: the rows keep their lengths
+    (before, the refused step's positions stayed allocated, unwritten, and every later logit was
+    computed over them), and the next good token gives the logits of the sequence scored whole."""
+    model, prompt, good = backend.model, ids_of(6, 21), ids_of(1, 22)
+    cache = model(prompt[None], use_cache=True).past_key_values
+    try:
+        row, free = cache.rows[0], backend.allocator.free_full_pages
+        with pytest.raises((TypeError, ValueError), match="input_ids"):
+            model(bad, past_key_values=cache, use_cache=True)
+        assert backend.allocator.seq_len(row) == cache.get_seq_length() == 6
+        assert backend.allocator.free_full_pages == free
+        got = model(good[None], past_key_values=cache, use_cache=True).logits[0, -1]
+        want = ModelRunner(backend, max_step_tokens=16).logits([torch.cat([prompt, good])])[0][-1]
+        torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=0)
+    finally:
+        cache.reset()
+
+
+def test_a_prompt_past_max_seq_len_over_a_new_cache_is_refused_before_any_step(backend):
+    """``model(ids, use_cache=True)`` with more tokens than ``max_seq_len``: refused naming
+    ``input_ids`` before a step runs (before, every chunk that fitted ran first, then the allocator
+    refused ``num_tokens``), no row held."""
+    steps, runner = [], backend.runner
+    backend.runner = ModelRunner(backend, step_fn=lambda *args: steps.append(args), max_step_tokens=128)
+    try:
+        with pytest.raises(ValueError, match="input_ids row 0 brings 260 tokens to the 0 in the cache"):
+            backend.model(ids_of(260, 1)[None], use_cache=True)
+    finally:
+        backend.runner = runner
+    assert not steps and not backend.allocator.active_rows

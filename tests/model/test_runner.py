@@ -241,3 +241,24 @@ def test_after_warmup_a_stream_of_requests_compiles_no_new_frame(backend):
     eager = ModelRunner(backend, max_step_tokens=16).score(seqs)
     for got, want in zip(scores, eager):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_warmup_skips_the_classes_whose_pages_are_not_free(tiny_hf_dir):
+    """Two request rows but one usable full page: the cache serves one request at a time, so
+    ``warmup()`` runs the one-request classes and skips the two-request one (before, it raised
+    ``OutOfPagesError``), leaving no row held."""
+    backend = enable(load_tiny_hf(tiny_hf_dir), max_requests=2, max_seq_len=512, num_full_pages=2)
+    runner = ModelRunner(backend, max_step_tokens=16)
+    runner.warmup()
+    assert not backend.allocator.active_rows and backend.allocator.free_full_pages == 1
+
+
+@pytest.mark.parametrize("stop", [5, "eos"])
+def test_a_stop_that_is_not_callable_is_refused_before_any_step(backend, stop):
+    steps = []
+    runner = ModelRunner(backend, step_fn=lambda *args: steps.append(args), max_step_tokens=16)
+    before = allocator_state(backend)
+    with pytest.raises(TypeError, match="stop must be a callable"):
+        runner.generate([ids_of(4, 1)], 3, stop=stop)
+    assert not steps
+    assert_same_state(before, allocator_state(backend))
