@@ -201,9 +201,9 @@ class ModelRunner(StepBuilder):
     def _serve(self, name: str, requests: list[_Request], consume: Consume, *, every_row: bool,
                grows: bool = False) -> None:
         """Run ``requests`` to completion. After each step, ``consume(parts, logits)`` gets the logits
-        of every fed row of each request in the step (``every_row``), or of the last row of each
-        request whose tokens are now all fed; a request with nothing left to feed afterwards is
-        finished and released. ``grows``: ``consume`` may append a token to such a request (as
+        of each request's fed rows at positions from its ``scored_from`` on (``every_row``), or of the
+        last row of each request whose tokens are now all fed; a request with nothing left to feed
+        afterwards is finished and released. ``grows``: ``consume`` may append a token to such a request (as
         ``generate`` does), which then goes on. Raises ``ValueError`` before any step if a request
         can never fit.
 
