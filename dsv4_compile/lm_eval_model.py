@@ -65,8 +65,8 @@ class DSV4LM(TemplateLM):
                  prefix_token_id: int | str | None = None):
         super().__init__()
         self.add_bos_token = None if add_bos_token is None else _flag("add_bos_token", add_bos_token)
-        self.custom_prefix_token_id = None if prefix_token_id is None else _token_id("prefix_token_id",
-                                                                                      prefix_token_id)
+        self.custom_prefix_token_id = None if prefix_token_id is None else \
+            _integer("prefix_token_id", prefix_token_id, least=0, what="a token id")
         try:
             self._device = check_device(device, what="device")
         except InputError as e:
@@ -261,26 +261,20 @@ def _continuation_score(logits: torch.Tensor, continuation: list[int]) -> tuple[
 
 
 def _count(name: str, value: int | str) -> int:
-    """A positive integer model argument (lm-eval may pass it as a string); a bool or a fraction
-    is refused rather than rounded."""
-    try:
-        count = int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}") from None
-    if count < 1 or isinstance(value, bool) or (isinstance(value, float) and value != count):
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return count
+    """A positive integer model argument (see :func:`_integer`)."""
+    return _integer(name, value, least=1, what="a positive integer")
 
 
-def _token_id(name: str, value: int | str) -> int:
-    """A token id model argument: a non-negative integer (lm-eval may pass it as a string)."""
+def _integer(name: str, value: int | str, *, least: int, what: str) -> int:
+    """An integer model argument of at least ``least`` (lm-eval may pass it as a string); a bool or
+    a fraction is refused rather than rounded, the error calling it ``what`` it must be."""
     try:
-        token = int(value)
+        number = int(value)
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a token id, got {value!r}") from None
-    if token < 0 or isinstance(value, bool) or (isinstance(value, float) and value != token):
-        raise ValueError(f"{name} must be a token id, got {value!r}")
-    return token
+        raise ValueError(f"{name} must be {what}, got {value!r}") from None
+    if number < least or isinstance(value, bool) or (isinstance(value, float) and value != number):
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+    return number
 
 
 def _flag(name: str, value: bool | str) -> bool:

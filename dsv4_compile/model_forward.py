@@ -104,12 +104,13 @@ def backend_forward(backend: "ModelBackend", input_ids: torch.Tensor, attention_
     batch, width = input_ids.shape
     # an int keeps the columns transformers' slice [-logits_to_keep:] keeps (0: all); only theirs are computed
     first = slice(-logits_to_keep, None).indices(width)[0] if isinstance(logits_to_keep, int) else 0
-    scored = [b for b, (lo, hi) in enumerate(spans) if hi > max(lo, first)]
+    kept = [(max(lo, first), hi) for lo, hi in spans]  # each row's real positions among the kept columns
+    scored = [b for b, (lo, hi) in enumerate(kept) if hi > lo]
     rows = backend.runner.logits([input_ids[b, slice(*spans[b])] for b in scored],
-                                 last=[spans[b][1] - max(spans[b][0], first) for b in scored])
+                                 last=[kept[b][1] - kept[b][0] for b in scored])
     logits = backend.new_logits(batch, width - first, backend.vocab_size)
     for b, row_logits in zip(scored, rows):
-        logits[b, max(spans[b][0], first) - first:spans[b][1] - first] = row_logits
+        logits[b, kept[b][0] - first:kept[b][1] - first] = row_logits
     if not isinstance(logits_to_keep, int):  # the positions a tensor selects
         logits = logits[:, logits_to_keep]
     return MoeCausalLMOutputWithPast(loss=loss_of(backend.model, logits, labels), logits=logits)
